@@ -15,9 +15,15 @@ receives into its bf16 parameters with the same round-to-nearest-even as `Tensor
 bit-identical either way, and sending bf16 halves the bytes on NCCL. The manifest vLLM sizes its receive buffers
 from (`weight_update_info["dtype_names"]`) is therefore rebuilt to say bfloat16; see `send_manifest`.
 
-Extra memory is one tensor at a time: for a LoRA-wrapped weight an fp32 B@A temp plus its bf16 result
-(6 bytes/element; the largest, an FFN weight of LFM2-2.6B, 22M elements = 132 MB), for a plain weight its bf16
-copy (2 bytes/element; the tied 65536x2048 embedding, 268 MB), each freed once the consumer moves on.
+On a GPU with Triton, a LoRA-wrapped weight is merged by one fused kernel (`merge_cast`): it reads W, computes
+B @ A in registers and writes the sent copy, so the fp32 product never goes through memory (~7 ms per sync for
+LFM2-2.6B on an H200, vs ~13 ms with cuBLAS's product; BENCHMARKS.md). Its bits are not taken on faith:
+`FusedMerge` checks each tensor once against cuBLAS's path, on this GPU, and uses the kernel only where they match.
+
+Extra memory is one tensor at a time: for a LoRA-wrapped weight its bf16 result (plus, on cuBLAS's path and in
+the one-time check, an fp32 B@A temp: 6 bytes/element; the largest, an FFN weight of LFM2-2.6B, 22M elements =
+132 MB), for a plain weight its bf16 copy (2 bytes/element; the tied 65536x2048 embedding, 268 MB), each freed
+once the consumer moves on.
 
 Usage, in train_lora.py:
 
@@ -28,6 +34,7 @@ with `--weight-sync {merge_free,stock}` (env WEIGHT_SYNC); "stock" is TRL's own 
 
 from __future__ import annotations
 
+import logging
 import math
 import time
 from collections.abc import Callable, Iterator
@@ -46,7 +53,15 @@ from trl.experimental.async_grpo.weight_transfer import WeightTransferClient
 
 import recipe
 
+try:  # Triton ships with CUDA builds of torch; without it the stream keeps cuBLAS's product (same bits, slower)
+    import triton
+    import triton.language as tl
+except ImportError:
+    triton = None
+
 logger = get_logger(__name__)
+# The same "weight_sync" logger without accelerate's main-process filter: each rank checks the kernel on its own GPU.
+rank_logger = logging.getLogger(__name__)
 
 SYNC_MODES = ("merge_free", "stock")
 
@@ -119,6 +134,125 @@ def merged_weight(layer: LoraLayer, weight: torch.Tensor, dtype: torch.dtype, ad
     return out.to(dtype)
 
 
+if triton is not None:
+
+    @triton.jit
+    def _merge_cast_kernel(  # noqa: ANN202
+        w_ptr, b_ptr, a_ptr, out_ptr, rows, cols, scaling,  # noqa: ANN001
+        RANK: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,  # noqa: ANN001
+    ):
+        """One tile of out = cast(W + scaling·(B @ A)): B @ A in fp32 FMAs (no TF32), never written to memory."""
+        r = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
+        c = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+        k = tl.arange(0, RANK)
+        b = tl.load(b_ptr + r[:, None] * RANK + k[None, :], mask=r[:, None] < rows, other=0.0)
+        a = tl.load(a_ptr + k[:, None] * cols + c[None, :], mask=c[None, :] < cols, other=0.0)
+        product = tl.dot(b, a, input_precision="ieee")
+        offsets = r[:, None].to(tl.int64) * cols + c[None, :]
+        mask = (r[:, None] < rows) & (c[None, :] < cols)
+        total = tl.load(w_ptr + offsets, mask=mask, other=0.0) + product * scaling
+        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
+
+
+# 64x64 tiles, 4 warps: the fastest of six tile shapes tried on the H200 for every LFM2-2.6B weight shape.
+MERGE_CAST_TILE = (64, 64, 4)
+
+
+def merge_cast(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, out: torch.Tensor
+) -> torch.Tensor:
+    """out <- cast(W + scaling·(B @ A)) in one pass: reads W (4 B/element), writes out (2 B/element)."""
+    if weight.is_cuda and weight.device.index != torch.cuda.current_device():
+        # Triton launches on the thread's current device; TRL's NCCL producer thread may not be on W's.
+        with torch.cuda.device(weight.device):
+            return merge_cast(weight, lora_a, lora_b, scaling, out)
+    block_m, block_n, warps = MERGE_CAST_TILE
+    rows, cols = weight.shape
+    grid = (triton.cdiv(rows, block_m), triton.cdiv(cols, block_n))
+    _merge_cast_kernel[grid](
+        weight, lora_b, lora_a, out, rows, cols, scaling,
+        RANK=lora_a.shape[0], BLOCK_M=block_m, BLOCK_N=block_n, num_warps=warps,
+    )
+    return out
+
+
+def fits_merge_cast(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, out: torch.Tensor) -> bool:
+    """Whether `merge_cast` takes these tensors: contiguous fp32 inputs, a 16-bit output, a rank of 16..128, 2^k."""
+    rank = lora_a.shape[0]
+    return (
+        all(t.dtype == torch.float32 and t.is_contiguous() for t in (weight, lora_a, lora_b))
+        and out.dtype in (torch.bfloat16, torch.float16)
+        and out.is_contiguous()
+        and 16 <= rank <= 128
+        and rank & (rank - 1) == 0
+    )
+
+
+def same_bits(first: torch.Tensor, second: torch.Tensor) -> bool:
+    """Bitwise equality (torch.equal calls -0.0 == 0.0; vLLM would hold different bits)."""
+    return first.shape == second.shape and torch.equal(first.view(torch.int16), second.view(torch.int16))
+
+
+MergeCast = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float, torch.Tensor], torch.Tensor]
+
+
+class FusedMerge:
+    """The fused merge-cast, trusted per tensor only once it matched cuBLAS's path bit for bit on this GPU.
+
+    PEFT's merge takes cuBLAS's fp32 B @ A. On the H200 Triton's fp32 `tl.dot` gave the same bits for every
+    LFM2-2.6B shape (both behave as one FMA per rank, in rank order), but nothing guarantees that on another GPU
+    or library version. So the first sync that finds a tensor's B nonzero computes both, sends cuBLAS's, and
+    keeps the kernel for that tensor only if the bits matched. A kernel that fails to compile or launch turns
+    the fused path off; the sync goes on with cuBLAS.
+    """
+
+    def __init__(self, kernel: MergeCast = merge_cast) -> None:
+        self.kernel = kernel
+        self.trusted: dict[str, bool] = {}
+        self.broken = False
+
+    def merged(
+        self, name: str, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+        out: torch.Tensor, add: AddInto = add_into,
+    ) -> torch.Tensor:
+        """cast(W + scaling·(B @ A)) into `out`: by the kernel once trusted for `name`, else by cuBLAS + `add`."""
+        if self.trusted.get(name) and not self.broken:
+            return self.kernel(weight, lora_a, lora_b, scaling, out)
+        result = add(weight, torch.mm(lora_b, lora_a), scaling, out)
+        if name not in self.trusted and not self.broken and fits_merge_cast(weight, lora_a, lora_b, out):
+            if bool(lora_b.any()):  # while B = 0 both give cast(W): nothing would be checked
+                self.trusted[name] = self._matches(name, weight, lora_a, lora_b, scaling, result)
+        return result
+
+    def _matches(
+        self, name: str, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
+        expected: torch.Tensor,
+    ) -> bool:
+        try:
+            candidate = self.kernel(weight, lora_a, lora_b, scaling, torch.empty_like(expected))
+        except Exception as error:  # any kernel failure must leave the sync on cuBLAS, not crash the run
+            self.broken = True
+            rank_logger.warning(f"Weight sync: fused merge kernel failed ({error!r}); staying on cuBLAS's path")
+            return False
+        if same_bits(candidate, expected):
+            return True
+        first_mismatch = all(self.trusted.values())
+        if first_mismatch:
+            rank_logger.warning(f"Weight sync: fused merge differs from cuBLAS on {name}; such tensors use cuBLAS")
+        return False
+
+    def summary(self) -> str:
+        """How many checked tensors run on the kernel, for the log."""
+        trusted = sum(self.trusted.values())
+        state = "off (kernel failed)" if self.broken else f"{trusted}/{len(self.trusted)} checked tensors fused"
+        return f"fused merge: {state}"
+
+
+def fused_merge_for(device: torch.device) -> FusedMerge | None:
+    """A FusedMerge on a CUDA device with Triton installed, else None (cuBLAS's path everywhere)."""
+    return FusedMerge() if device.type == "cuda" and triton is not None else None
+
+
 @dataclass(frozen=True)
 class PlanEntry:
     """One streamed tensor: its vLLM name, the base parameter, and how to merge it."""
@@ -182,21 +316,27 @@ def merge_free_named_tensors(
     plan: list[PlanEntry] | None = None,
     add: AddInto = add_into,
     ready: torch.cuda.Event | None = None,
+    fused: FusedMerge | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (vLLM name, tensor in `dtype`) for every weight vLLM receives, merged on the fly, one at a time.
 
     Each tensor is made on the consumer's current stream at the time it asks for it, so it is complete for the
-    consumer in stream order; `ready` orders the adapter reads after the trainer's last optimizer step.
+    consumer in stream order; `ready` orders the adapter reads after the trainer's last optimizer step. With
+    `fused`, one-matmul merges go through its checked kernel; without, through cuBLAS's B @ A and `add`.
     """
     for entry in plan if plan is not None else sync_plan(model):
         weight = _full(entry.param, device)
         if entry.fast is not None and not entry.layer.merged:
             lora_a, lora_b, scaling = entry.fast
+            lora_a, lora_b = lora_a.detach().to(weight.device), lora_b.detach().to(weight.device)
             _after(ready, weight.device)
-            # B @ A is the matmul PEFT's get_delta_weight makes; its `* s` rides in the add (exact for 2^k).
-            delta = torch.mm(lora_b.detach().to(weight.device), lora_a.detach().to(weight.device))
-            yield entry.name, add(weight, delta, scaling, torch.empty(weight.shape, dtype=dtype, device=weight.device))
-            del delta
+            out = torch.empty(weight.shape, dtype=dtype, device=weight.device)
+            if fused is not None:
+                yield entry.name, fused.merged(entry.name, weight, lora_a, lora_b, scaling, out, add)
+            else:
+                # B @ A is the matmul PEFT's get_delta_weight makes; its `* s` rides in the add (exact for 2^k).
+                yield entry.name, add(weight, torch.mm(lora_b, lora_a), scaling, out)
+            del out
         elif entry.layer is not None:
             _after(ready, weight.device)
             yield entry.name, merged_weight(entry.layer, weight, dtype, add)
@@ -221,6 +361,7 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         super().__init__(*args, **kwargs)
         self.sync_dtype = send_dtype()
         self._sync_plan: list[PlanEntry] | None = None
+        self._fused = fused_merge_for(self.accelerator.device)
         self._retarget_manifest()
 
     def _retarget_manifest(self) -> None:
@@ -246,7 +387,7 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         if device.type == "cuda":
             ready = torch.cuda.Event()
             ready.record(torch.cuda.current_stream(device))
-        return merge_free_named_tensors(model, self.sync_dtype, device, self._sync_plan, ready=ready)
+        return merge_free_named_tensors(model, self.sync_dtype, device, self._sync_plan, ready=ready, fused=self._fused)
 
     def _sync_weight_merged(self, t0: float) -> tuple[float, float, float]:
         """TRL's merged sync (pause, barrier, send, barrier, resume, version bump) minus the merge and unmerge."""
@@ -256,6 +397,7 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         self.accelerator.wait_for_everyone()
         t_barrier = time.time()
         logger.info(f"Weight sync (merge-free): streaming weights... (barrier took {t_barrier - t_pause:.1f}s)")
+        checked = len(self._fused.trusted) if self._fused is not None else 0
         if self.accelerator.is_main_process and self.weight_transfer:
             self.weight_transfer.send_weights(self._merge_free_iter())
         else:
@@ -263,6 +405,8 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
             for _ in self._merge_free_iter():
                 pass
         t_transfer = time.time()
+        if self._fused is not None and len(self._fused.trusted) != checked:
+            logger.info(f"Weight sync (merge-free): {self._fused.summary()}")
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             if self.weight_transfer:

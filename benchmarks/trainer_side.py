@@ -311,10 +311,10 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
     plan = weight_sync.sync_plan(model)
     largest = max(w.numel() for w in wrapped_base_weights(model))
     largest_any = max(p.numel() for p in params)
-    for label, add in merge_free_variants(device):
+    for label, fused in merge_free_variants(model, sent, device):
 
-        def merge_free(add: weight_sync.AddInto = add) -> None:
-            for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, add=add):
+        def merge_free(fused: weight_sync.FusedMerge | None = fused) -> None:
+            for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
                 del tensor
 
         if device.type == "cuda":
@@ -340,6 +340,7 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
             f"weight, {largest_any:,} elems = {human(4 * largest + 2 * largest_any)})",
         )
     if device.type == "cuda":
+        check_rows(table, model, sent, plan, device, args)
         kernel_rows(table, model, device, args, bandwidth)
     table.add(
         "8",
@@ -349,6 +350,50 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
         "stock sends the trainer's fp32 and vLLM casts on receipt; merge-free sends bf16",
     )
     exactness_rows(table, model, sent, device)
+
+
+def checked_fused(model: torch.nn.Module, sent: torch.dtype, device: torch.device) -> weight_sync.FusedMerge | None:
+    """A FusedMerge past its one-time check (one untimed sync), as the trainer holds it from its second sync on."""
+    fused = weight_sync.fused_merge_for(device)
+    if fused is not None:
+        for _, tensor in weight_sync.merge_free_named_tensors(model, sent, fused=fused):
+            del tensor
+    return fused
+
+
+def merge_free_variants(
+    model: torch.nn.Module, sent: torch.dtype, device: torch.device
+) -> list[tuple[str, weight_sync.FusedMerge | None]]:
+    """The shipped stream (fused kernel once checked, on a GPU with Triton) and cuBLAS's path it falls back to."""
+    variants: list[tuple[str, weight_sync.FusedMerge | None]] = [("cuBLAS B @ A + torch.add into bf16", None)]
+    fused = checked_fused(model, sent, device)
+    if fused is not None:
+        variants.insert(0, (f"shipped: fused Triton merge-cast ({fused.summary()})", fused))
+    return variants
+
+
+def check_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, plan: list[weight_sync.PlanEntry],
+               device: torch.device, args: argparse.Namespace) -> None:  # fmt: skip
+    """The one-time cost: the trainer's first sync with a nonzero B runs both paths and compares them."""
+
+    def first_sync() -> None:
+        fused = weight_sync.fused_merge_for(device)
+        for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
+            del tensor
+
+    med, p90 = median_p90(time_ms(first_sync, device, max(3, args.repeats // 4), 1))
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated()
+    first_sync()
+    peak_extra = torch.cuda.max_memory_allocated() - before
+    table.add(
+        "8",
+        "merge-free first sync, with the fused kernel's bit check (once per run)",
+        f"{med:.2f} ms (p90 {p90:.2f})",
+        "",
+        f"cuBLAS's path + the kernel + a compare per wrapped tensor; peak extra memory {human(peak_extra)}",
+    )
 
 
 def kernel_rows(
@@ -364,11 +409,12 @@ def kernel_rows(
     n = weight.numel()
     steps = {
         "B @ A (fp32 temp)": (lambda: torch.mm(lora_b, lora_a), 4 * n),
-        "shipped: torch.add (W, temp -> bf16)": (lambda: weight_sync.add_into(weight, delta, 2.0, out), 10 * n),
+        "torch.add (W, temp -> bf16)": (lambda: weight_sync.add_into(weight, delta, 2.0, out), 10 * n),
         "W.to(bf16) (copy reference)": (lambda: out.copy_(weight), 6 * n),
     }
-    if triton is not None:
-        steps["Triton add-cast (not shipped)"] = (lambda: triton_add_cast(weight, delta, 2.0, out), 10 * n)
+    if weight_sync.triton is not None:
+        fused = (lambda: weight_sync.merge_cast(weight, lora_a, lora_b, 2.0, out), 6 * n)
+        steps["shipped: fused merge-cast (W, A, B -> bf16)"] = fused
     for label, (fn, nbytes) in steps.items():
         med = statistics.median(time_ms(fn, device, args.repeats, args.warmup))
         table.add(
@@ -380,45 +426,6 @@ def kernel_rows(
         )
 
 
-def add_then_cast(base: torch.Tensor, delta: torch.Tensor, alpha: float, out: torch.Tensor) -> torch.Tensor:
-    """Variant: sum in place in fp32 (vectorized, same dtypes), then a separate cast pass."""
-    return out.copy_(torch.add(base, delta, alpha=alpha, out=delta))
-
-
-try:  # GPU-only variant; a CPU-only install runs without it
-    import triton
-    import triton.language as tl
-except ImportError:
-    triton = None
-
-if triton is not None:
-
-    @triton.jit
-    def _add_cast_kernel(base_ptr, delta_ptr, out_ptr, n, alpha, BLOCK: tl.constexpr):  # noqa: ANN001, ANN202
-        offsets = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        mask = offsets < n
-        total = tl.load(base_ptr + offsets, mask=mask) + tl.load(delta_ptr + offsets, mask=mask) * alpha
-        tl.store(out_ptr + offsets, total.to(out_ptr.dtype.element_ty, fp_downcast_rounding="rtne"), mask=mask)
-
-
-def triton_add_cast(base: torch.Tensor, delta: torch.Tensor, alpha: float, out: torch.Tensor) -> torch.Tensor:
-    """Variant, not shipped: add_into's step as a Triton kernel with 16-byte loads (alpha 2^k: an FMA rounds alike)."""
-    block = 4096
-    grid = (triton.cdiv(out.numel(), block),)
-    _add_cast_kernel[grid](base, delta, out, out.numel(), alpha, BLOCK=block, num_warps=8)
-    return out
-
-
-def merge_free_variants(device: torch.device) -> list[tuple[str, weight_sync.AddInto]]:
-    """The shipped weight_sync.add_into (one torch.add into bf16) and the alternatives it was chosen over."""
-    variants: list[tuple[str, weight_sync.AddInto]] = [("shipped: torch.add into bf16", weight_sync.add_into)]
-    if device.type == "cuda":
-        variants.append(("fp32 add then cast", add_then_cast))
-        if triton is not None:
-            variants.append(("Triton add-cast (not shipped)", triton_add_cast))
-    return variants
-
-
 def exactness_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, device: torch.device) -> None:
     """On this device: every merge-free variant vs stock merge -> cast -> unmerge, and the base untouched."""
     model.merge_adapter()
@@ -426,9 +433,9 @@ def exactness_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, devi
         stock = [(n, p.detach().to(sent)) for n, p in _iter_vllm_named_params(model)]
     finally:
         model.unmerge_adapter()
-    for label, add in merge_free_variants(device):
+    for label, fused in merge_free_variants(model, sent, device):
         base = [p.detach().clone() for _, p in _iter_vllm_named_params(model)]
-        free = list(weight_sync.merge_free_named_tensors(model, sent, add=add))
+        free = list(weight_sync.merge_free_named_tensors(model, sent, fused=fused))
         unchanged = all(torch.equal(b, p) for b, (_, p) in zip(base, _iter_vllm_named_params(model), strict=True))
         del base
         names_equal = [n for n, _ in free] == [n for n, _ in stock]
@@ -687,17 +694,18 @@ def bit_mismatches(expected: list[torch.Tensor], received: list[torch.Tensor]) -
     return tensors, elements
 
 
-def trainer_stream(model: torch.nn.Module, variant: str, plan: list[weight_sync.PlanEntry]) -> Iterator[torch.Tensor]:
+def trainer_stream(model: torch.nn.Module, variant: str, plan: list[weight_sync.PlanEntry],
+                   fused: weight_sync.FusedMerge | None) -> Iterator[torch.Tensor]:  # fmt: skip
     """What the trainer puts on the wire, tensor by tensor, in TRL's order (the model is merged for stock)."""
     sent = weight_sync.send_dtype()
     if variant == NCCL_VARIANTS[2]:
-        return (t for _, t in weight_sync.merge_free_named_tensors(model, sent, plan=plan))
+        return (t for _, t in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused))
     cast = variant == NCCL_VARIANTS[1]
     return (p.detach().to(sent) if cast else p.detach() for _, p in _iter_vllm_named_params(model))
 
 
 def trainer_sync(model: torch.nn.Module, variant: str, plan: list[weight_sync.PlanEntry], buckets: list[range],
-                 device: torch.device) -> dict[str, float]:  # fmt: skip
+                 device: torch.device, fused: weight_sync.FusedMerge | None) -> dict[str, float]:  # fmt: skip
     """One sync on rank 0, phase by phase (ms): merge, transfer until the receiver has copied everything, unmerge."""
     stock = variant != NCCL_VARIANTS[2]
     rendezvous(device)
@@ -707,7 +715,7 @@ def trainer_sync(model: torch.nn.Module, variant: str, plan: list[weight_sync.Pl
     synchronize(device)
     stamps.append(time.perf_counter())
     try:
-        send_packed(trainer_stream(model, variant, plan), buckets, src=0)
+        send_packed(trainer_stream(model, variant, plan, fused), buckets, src=0)
         rendezvous(device)  # the receiver joins only after its last copy: the weights are in place
         stamps.append(time.perf_counter())
     finally:
@@ -783,6 +791,7 @@ def nccl_trainer(args: argparse.Namespace, device: torch.device) -> Table:
     specs = manifests(model)
     dist.broadcast_object_list([specs], src=0)  # TRL hands vLLM this manifest over HTTP before the first sync
     sent = weight_sync.send_dtype()
+    fused = checked_fused(model, sent, device)  # the merge-free variant as the trainer runs it after its first sync
     model.merge_adapter()
     try:  # what vLLM must hold after any sync: the merged weights, rounded to bf16
         expected = [p.detach().to(sent) for _, p in _iter_vllm_named_params(model)]
@@ -801,13 +810,14 @@ def nccl_trainer(args: argparse.Namespace, device: torch.device) -> Table:
         sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in manifest]
         buckets = bucket_ranges(sizes, bucket_bytes)
         total_runs = args.nccl_warmup + args.nccl_repeats
-        runs = [trainer_sync(model, variant, plan, buckets, device) for _ in range(total_runs)][args.nccl_warmup :]
+        runs = [trainer_sync(model, variant, plan, buckets, device, fused) for _ in range(total_runs)]
+        runs = runs[args.nccl_warmup :]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         _, p90 = median_p90([r["total"] for r in runs])
         moved = sum(sizes)
         rate = moved / (med["transfer"] / 1e3)
         # The receiver zeroes its weights, takes one more sync, and sends them back: a real end-to-end check.
-        trainer_sync(model, variant, plan, buckets, device)
+        trainer_sync(model, variant, plan, buckets, device, fused)
         back = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in expected]
         receive_packed(back, specs[NCCL_VARIANTS[1]], bucket_ranges([2 * e.numel() for e in expected], 2**30), src=1)
         bad_tensors, bad_elems = bit_mismatches(expected, back)
