@@ -192,3 +192,13 @@ on_exit() {
   if [ "$rc" -ne 0 ]; then log "$(basename "$0" .sh): FAILED (exit $rc); logs in $LOG_DIR"; fi
   exit "$rc"
 }
+
+# begin_job READ_KNOBS: the start of a job script's main: on_exit on any exit (TERM/INT become exits, so it
+# runs), then the script's knob reader, then a note when DRY_RUN=1 only prints the plan.
+begin_job() {
+  trap on_exit EXIT
+  trap 'exit 143' TERM
+  trap 'exit 130' INT
+  "$1"
+  if dry_run; then log "DRY_RUN=1: printing the plan; nothing is installed or started"; fi
+}

@@ -105,11 +105,7 @@ run_eval() {
 }
 
 main() {
-  trap on_exit EXIT
-  trap 'exit 143' TERM
-  trap 'exit 130' INT
-  read_knobs
-  dry_run && log "DRY_RUN=1: printing the plan; nothing is installed or started"
+  begin_job read_knobs
   step 0 preflight preflight
   step 1 install ensure_stack
   step 2 tasks prepare_tasks
