@@ -109,6 +109,17 @@ def add_into(base: torch.Tensor, delta: torch.Tensor, alpha: float, out: torch.T
 AddInto = Callable[[torch.Tensor, torch.Tensor, float, torch.Tensor], torch.Tensor]
 
 
+def cublas_merged(
+    weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float, out: torch.Tensor,
+    add: AddInto = add_into,
+) -> torch.Tensor:
+    """out <- cast(W + scaling·(B @ A)) with the matmul PEFT's get_delta_weight makes; `* s` rides in the add.
+
+    Exact for a power-of-two scaling (see fast_merge): the reference the fused kernel is checked against.
+    """
+    return add(weight, torch.mm(lora_b, lora_a), scaling, out)
+
+
 def merged_weight(layer: LoraLayer, weight: torch.Tensor, dtype: torch.dtype, add: AddInto = add_into) -> torch.Tensor:
     """Return cast(W + Σ get_delta_weight) over the active adapters, bit-equal to PEFT merge-then-cast.
 
@@ -218,7 +229,7 @@ class FusedMerge:
         """cast(W + scaling·(B @ A)) into `out`: by the kernel once trusted for `name`, else by cuBLAS + `add`."""
         if self.trusted.get(name) and not self.broken:
             return self.kernel(weight, lora_a, lora_b, scaling, out)
-        result = add(weight, torch.mm(lora_b, lora_a), scaling, out)
+        result = cublas_merged(weight, lora_a, lora_b, scaling, out, add)
         if name not in self.trusted and not self.broken and fits_merge_cast(weight, lora_a, lora_b, out):
             if bool(lora_b.any()):  # while B = 0 both give cast(W): nothing would be checked
                 self.trusted[name] = self._matches(name, weight, lora_a, lora_b, scaling, result)
@@ -334,8 +345,7 @@ def merge_free_named_tensors(
             if fused is not None:
                 yield entry.name, fused.merged(entry.name, weight, lora_a, lora_b, scaling, out, add)
             else:
-                # B @ A is the matmul PEFT's get_delta_weight makes; its `* s` rides in the add (exact for 2^k).
-                yield entry.name, add(weight, torch.mm(lora_b, lora_a), scaling, out)
+                yield entry.name, cublas_merged(weight, lora_a, lora_b, scaling, out, add)
             del out
         elif entry.layer is not None:
             _after(ready, weight.device)

@@ -352,11 +352,12 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
     exactness_rows(table, model, sent, device)
 
 
-def checked_fused(model: torch.nn.Module, sent: torch.dtype, device: torch.device) -> weight_sync.FusedMerge | None:
-    """A FusedMerge past its one-time check (one untimed sync), as the trainer holds it from its second sync on."""
+def checked_fused(model: torch.nn.Module, sent: torch.dtype, device: torch.device,
+                  plan: list[weight_sync.PlanEntry] | None = None) -> weight_sync.FusedMerge | None:  # fmt: skip
+    """A FusedMerge past its one-time check (the trainer's first sync), as the trainer holds it from then on."""
     fused = weight_sync.fused_merge_for(device)
     if fused is not None:
-        for _, tensor in weight_sync.merge_free_named_tensors(model, sent, fused=fused):
+        for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
             del tensor
     return fused
 
@@ -375,17 +376,12 @@ def merge_free_variants(
 def check_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, plan: list[weight_sync.PlanEntry],
                device: torch.device, args: argparse.Namespace) -> None:  # fmt: skip
     """The one-time cost: the trainer's first sync with a nonzero B runs both paths and compares them."""
-
-    def first_sync() -> None:
-        fused = weight_sync.fused_merge_for(device)
-        for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
-            del tensor
-
-    med, p90 = median_p90(time_ms(first_sync, device, max(3, args.repeats // 4), 1))
+    times = time_ms(lambda: checked_fused(model, sent, device, plan), device, max(3, args.repeats // 4), 1)
+    med, p90 = median_p90(times)
     torch.cuda.synchronize()
     torch.cuda.reset_peak_memory_stats()
     before = torch.cuda.memory_allocated()
-    first_sync()
+    checked_fused(model, sent, device, plan)
     peak_extra = torch.cuda.max_memory_allocated() - before
     table.add(
         "8",
