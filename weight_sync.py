@@ -16,8 +16,8 @@ bit-identical either way, and sending bf16 halves the bytes on NCCL. The manifes
 from (`weight_update_info["dtype_names"]`) is therefore rebuilt to say bfloat16; see `send_manifest`.
 
 On a GPU with Triton, a LoRA-wrapped weight is merged by one fused kernel (`merge_cast`): it reads W, computes
-B @ A in registers and writes the sent copy, so the fp32 product never goes through memory (~7 ms per sync for
-LFM2-2.6B on an H200, vs ~13 ms with cuBLAS's product; BENCHMARKS.md). Its bits are not taken on faith:
+B @ A in registers and writes the sent copy, so the fp32 product never goes through memory (for LFM2-2.6B on
+an H200, 6.2 ms of GPU time per sync vs 12.8 ms with cuBLAS's product; BENCHMARKS.md). Its bits are not taken on faith:
 `FusedMerge` checks each tensor once against cuBLAS's path, on this GPU, and uses the kernel only where they match.
 
 Extra memory is one tensor at a time: for a LoRA-wrapped weight its bf16 result (plus, on cuBLAS's path and in
