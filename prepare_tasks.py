@@ -167,8 +167,8 @@ def select_train(rows: list[dict[str, str]], test: list[dict[str, str]], counts:
 
 
 def list_json(rows: list[dict[str, str]]) -> str:
-    """A task list as stable text: one row per line, sorted keys, trailing newline."""
-    return "[\n" + ",\n".join("  " + json.dumps(r, sort_keys=True) for r in rows) + "\n]\n"
+    """A task list as stable text: one row per line, keys in FIELDS order (the lineage's layout), trailing newline."""
+    return "[\n" + ",\n".join("  " + json.dumps({k: r[k] for k in FIELDS}) for r in rows) + "\n]\n"
 
 
 def write_atomic(path: Path, text: str) -> None:
