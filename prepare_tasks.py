@@ -1,12 +1,13 @@
-"""Freeze and materialize the recipe's pinned SmolDataEnvs Harbor tasks.
+"""Materialize the recipe's pinned SmolDataEnvs Harbor tasks; freeze task lists for other pools.
 
-    # Once, whenever the task selection changes (needs the Hub, or local snapshots of both datasets):
-    python prepare_tasks.py freeze [--train-source DIR] [--test-source DIR]
     # In every job (run_job.sh calls this): fetch exactly the listed tasks, verify, patch, write them out.
     python prepare_tasks.py [--out DIR] [--train-source DIR] [--test-source DIR] [--split train|test|all]
+    # Only for another dataset revision or task pool (needs the Hub, or local snapshots of both datasets):
+    python prepare_tasks.py freeze [--train-source DIR] [--test-source DIR]
 
-`freeze` writes data/train.json and data/test.json: one row per task, {name, source, notebook,
-difficulty, instruction_sha256}, byte-identical for the same inputs. Its rule:
+The recipe's own lists, data/train.json and data/test.json, are committed (the lineage's lists, see
+data/README.md); `freeze` would select different tasks. It writes the same format: one row per task,
+{name, source, notebook, difficulty, instruction_sha256}, byte-identical for the same inputs. Its rule:
 
 - Each task is read from its own folder: difficulty = [metadata].difficulty_tier; source =
   [metadata].source_row_id (the jupyter-agent row the task was generated from, e.g.
@@ -24,7 +25,8 @@ difficulty, instruction_sha256}, byte-identical for the same inputs. Its rule:
 The default action first checks both lists, whatever --split says (five string fields, plain folder
 names, no name twice, exactly the recipe's counts, no name/source/notebook shared by train and test).
 Then it takes each split from a local snapshot or downloads exactly the pinned revision (only the
-listed `tasks/<name>/` folders), checks every instruction's SHA-256, copies each task to
+listed `tasks/<name>/` folders), checks every instruction's SHA-256 and every tests/grader.py against
+GRADER_SHA256 (a task graded differently is refused) for all splits first, then copies each task to
 OUT/<split>/tasks/<name>/ and rewrites its task.toml so that [environment] has the task image,
 TASK_CPUS and TASK_MEMORY_MB (the hf-sandbox backend needs docker_image; 1 GB tasks were OOM-killed),
 keeping every other key. OUT/<split>/manifest.json records the dataset, revision, count
@@ -59,6 +61,9 @@ SPLITS = ("train", "test")
 FIELDS = ("name", "source", "notebook", "difficulty", "instruction_sha256")
 PROGRESS_EVERY = 100  # tasks between progress lines on stderr
 FREEZE_COMMAND = "python prepare_tasks.py freeze"
+# The recipe's lists are committed (data/README.md): a missing or damaged list is restored, not re-frozen.
+RESTORE = "restore the recipe's lists with `git checkout -- data`"
+OTHER_POOLS = f"`{FREEZE_COMMAND}` is only for another dataset revision or task pool"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
 _QA_SUFFIX = re.compile(r"_qa_\d+$")
@@ -218,15 +223,13 @@ def load_list(data_dir: Path, split: str) -> list[dict[str, str]]:
     """A committed task list; says how to create it when it is missing."""
     path = data_dir / f"{split}.json"
     if not path.is_file():
-        raise ConfigError(f"{path} is missing: create the task lists with `{FREEZE_COMMAND}` "
-                          "(needs the Hub, or --train-source/--test-source snapshots), or restore data/ from git")
+        raise ConfigError(f"{path} is missing: {RESTORE} ({OTHER_POOLS})")
     try:
         rows = json.loads(path.read_text())
     except json.JSONDecodeError as exc:
-        raise ConfigError(f"{path} is not valid JSON ({exc}): restore it from git or rerun `{FREEZE_COMMAND}`") \
-            from None
+        raise ConfigError(f"{path} is not valid JSON ({exc}): {RESTORE}") from None
     if not isinstance(rows, list):
-        raise ConfigError(f"{path} must hold a JSON list of task rows: restore it from git or rerun `{FREEZE_COMMAND}`")
+        raise ConfigError(f"{path} must hold a JSON list of task rows: {RESTORE}")
     return rows
 
 
@@ -235,15 +238,15 @@ def check_rows(rows: list[Any], split: str) -> None:
     where = f"data/{split}.json"
     for i, row in enumerate(rows):
         if not isinstance(row, dict) or any(not isinstance(row.get(k), str) for k in FIELDS):
-            raise ConfigError(f"{where} row {i} must have string fields {', '.join(FIELDS)}: rerun `{FREEZE_COMMAND}`")
+            raise ConfigError(f"{where} row {i} must have string fields {', '.join(FIELDS)}: {RESTORE}")
         if not _SAFE_NAME.match(row["name"]) or ".." in row["name"]:
             raise ConfigError(f"{where} row {i}: task name {row['name']!r} is not a plain folder name: "
-                              f"rerun `{FREEZE_COMMAND}`")
+                              f"{RESTORE}")
         if not _SHA256.match(row["instruction_sha256"]):
-            raise ConfigError(f"{where}: task {row['name']} has no valid instruction_sha256: rerun `{FREEZE_COMMAND}`")
+            raise ConfigError(f"{where}: task {row['name']} has no valid instruction_sha256: {RESTORE}")
     for name, n in Counter(r["name"] for r in rows).items():
         if n > 1:
-            raise ConfigError(f"{where} lists task {name} {n} times: remove the duplicate or rerun `{FREEZE_COMMAND}`")
+            raise ConfigError(f"{where} lists task {name} {n} times: remove the duplicate or {RESTORE}")
 
 
 def check_counts(lists: dict[str, list[dict[str, str]]], counts: Counts) -> None:
@@ -253,10 +256,10 @@ def check_counts(lists: dict[str, list[dict[str, str]]], counts: Counts) -> None
         other = len(lists["train"]) - tiers["medium"] - tiers["hard"]
         got = f"{tiers['medium']} medium, {tiers['hard']} hard" + (f" and {other} other" if other else "")
         raise ConfigError(f"data/train.json has {got}; the recipe needs {counts.medium} medium and {counts.hard} hard: "
-                          f"rerun `{FREEZE_COMMAND}`")
+                          f"{RESTORE}")
     if len(lists["test"]) != counts.test:
         raise ConfigError(f"data/test.json has {len(lists['test'])} tasks; the recipe needs {counts.test}: "
-                          f"rerun `{FREEZE_COMMAND}`")
+                          f"{RESTORE}")
 
 
 def check_disjoint(lists: dict[str, list[dict[str, str]]]) -> None:
@@ -266,7 +269,7 @@ def check_disjoint(lists: dict[str, list[dict[str, str]]]) -> None:
         for row in lists["train"]:
             if row[key] in test:
                 raise ConfigError(f"train task {row['name']} and test task {test[row[key]]} share {key} "
-                                  f"{row[key]!r}: held-out results would be contaminated; rerun `{FREEZE_COMMAND}`")
+                                  f"{row[key]!r}: held-out results would be contaminated; {RESTORE}")
 
 
 def check_lists(lists: dict[str, list[Any]], counts: Counts) -> None:
@@ -289,19 +292,26 @@ def patched_toml(folder: Path) -> str:
     return tomli_w.dumps(config)
 
 
-def verify(rows: list[dict[str, str]], src: Path, split: str, where: str) -> None:
-    """Every listed task is in `src` (described as `where`), hashes as listed, and has a patchable task.toml."""
+def verify(rows: list[dict[str, str]], src: Path, split: str, where: str, grader_sha256: str) -> None:
+    """Every listed task is in `src` (described as `where`), hashes as listed, runs the expected grader and has a
+    patchable task.toml."""
     for i, row in enumerate(rows, 1):
         folder = src / "tasks" / row["name"]
         if not folder.is_dir():
             raise ConfigError(f"{split} task {row['name']} is missing from {where} (no tasks/{row['name']}/): "
-                              f"use the pinned snapshot, or rerun `{FREEZE_COMMAND}` if the dataset changed on purpose")
+                              f"use the pinned snapshot ({OTHER_POOLS})")
         instruction = folder / "instruction.md"
         found = sha256_file(instruction) if instruction.is_file() else "no instruction.md"
         if found != row["instruction_sha256"]:
             raise ConfigError(f"{split} task {row['name']}: instruction.md sha256 {found[:16]}… does not match "
                               f"data/{split}.json ({row['instruction_sha256'][:16]}…) in {where}: use the pinned "
-                              f"revision, or rerun `{FREEZE_COMMAND}` if the dataset changed on purpose")
+                              f"revision ({OTHER_POOLS})")
+        grader = folder / "tests" / "grader.py"
+        found = sha256_file(grader) if grader.is_file() else "no tests/grader.py"
+        if found != grader_sha256:
+            raise ConfigError(f"{split} task {row['name']}: tests/grader.py sha256 {found[:16]}… is not the expected "
+                              f"grader's ({grader_sha256[:16]}…, GRADER_SHA256 in recipe.py) in {where}: it would "
+                              "score answers differently; use the pinned revision")
         patched_toml(folder)
         progress(f"verify {split}", i, len(rows))
 
@@ -335,8 +345,9 @@ def replace_dir(staged: Path, target: Path) -> None:
 
 
 def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | None], data_dir: Path, api: Any,
-                counts: Counts = Counts()) -> dict[str, Path]:
-    """Write OUT/<split>/ for each split from the frozen lists; all or nothing."""
+                counts: Counts = Counts(), grader_sha256: str = recipe.GRADER_SHA256) -> dict[str, Path]:
+    """Write OUT/<split>/ for each split from the frozen lists; all or nothing: every split is verified before the
+    first task is copied."""
     lists = {split: load_list(data_dir, split) for split in SPLITS}
     check_lists(lists, counts)
     for split in splits:
@@ -350,13 +361,16 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
     out.mkdir(parents=True, exist_ok=True)
     scratch = [out / f".{split}.{kind}-{os.getpid()}" for split in splits for kind in ("partial", "download")]
     try:
+        verified = {}
         for split in splits:
             src, origin, where = sources.get(split), "local", str(sources.get(split))
             if src is None:
                 src = download(api, split, out / f".{split}.download-{os.getpid()}",
                                [f"tasks/{r['name']}/*" for r in lists[split]])
                 origin, where = "hub", "@".join(dataset_of(split))
-            verify(lists[split], src, split, where)
+            verify(lists[split], src, split, where, grader_sha256)
+            verified[split] = src, origin
+        for split, (src, origin) in verified.items():
             build_split(lists[split], src, out / f".{split}.partial-{os.getpid()}", split, origin)
         for split in splits:
             replace_dir(out / f".{split}.partial-{os.getpid()}", out / split)
@@ -377,11 +391,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description="\n\n".join(__doc__.split("\n\n")[:2]),
         epilog="actions:\n"
         "  materialize  (default) take the tasks listed in data/*.json from --*-source or the pinned Hub\n"
-        "               revisions, check each instruction's SHA-256, copy them to OUT/<split>/tasks/ with\n"
-        f"               [environment] docker_image={recipe.TASK_IMAGE}, cpus={recipe.TASK_CPUS},\n"
+        "               revisions, check each instruction's and grader's SHA-256, copy them to\n"
+        "               OUT/<split>/tasks/ with"
+        f" [environment] docker_image={recipe.TASK_IMAGE}, cpus={recipe.TASK_CPUS},\n"
         f"               memory_mb={recipe.TASK_MEMORY_MB}, and write OUT/<split>/manifest.json\n"
-        "  freeze       select the tasks (seeded order, no train/test source or notebook overlap)\n"
-        "               and write data/train.json and data/test.json; the rule is in this file's docstring",
+        "  freeze       only for another dataset revision or task pool (the recipe's lists are committed):\n"
+        "               select the tasks (seeded order, no train/test source or notebook overlap) and write\n"
+        "               data/train.json and data/test.json; the rule is in this file's docstring",
         formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("action", nargs="?", choices=("materialize", "freeze"), default="materialize",
                         help="what to do (default: materialize)")
@@ -398,6 +414,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     counts.add_argument("--train-medium", type=int, default=recipe.TRAIN_MEDIUM, help="default: %(default)s")
     counts.add_argument("--train-hard", type=int, default=recipe.TRAIN_HARD, help="default: %(default)s")
     counts.add_argument("--test-tasks", type=int, default=recipe.TEST_TASKS, help="default: %(default)s")
+    counts.add_argument("--grader-sha256", default=recipe.GRADER_SHA256,
+                        help="materialize: SHA-256 every task's tests/grader.py must have (default: %(default)s)")
     return parser.parse_args(argv)
 
 
@@ -415,7 +433,7 @@ def main(argv: list[str] | None = None, api: Any = None) -> int:
             freeze(sources, args.data, api, counts)
         else:
             splits = SPLITS if args.split == "all" else (args.split,)
-            materialize(args.out, splits, sources, args.data, api, counts)
+            materialize(args.out, splits, sources, args.data, api, counts, args.grader_sha256)
     except ConfigError as exc:
         print(f"prepare_tasks.py: error: {exc}", file=sys.stderr)
         return 2

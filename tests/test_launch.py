@@ -255,7 +255,6 @@ def _set_row(i: int, key: str, value: str | None):
     return edit
 
 
-FREEZE = "python prepare_tasks.py freeze"
 PREFLIGHT = {
     "no token": ("train", _env(HF_TOKEN=None), "no Hugging Face token"),
     "malformed token": ("train", _env(HF_TOKEN="sk-" + SANDBOX_CANARY), "does not look like a Hugging Face"),
@@ -265,7 +264,7 @@ PREFLIGHT = {
     "bad code repo": ("train", _env(CODE_REPO="a/b/c"), "CODE_REPO='a/b/c' is not a valid"),
     "code repo is adapter repo": ("train", _env(CODE_REPO=ADAPTER), "give the code bundle its own repo"),
     "train list missing": ("train", _remove("data/train.json"),
-                           f"train.json is missing: create the task lists with `{FREEZE}`"),
+                           "train.json is missing: restore the recipe's lists with `git checkout -- data`"),
     "test list not json": ("eval-watch", lambda b, e: (b / "data/test.json").write_text("[{"), "not valid JSON"),
     "train list not a list": ("train", lambda b, e: (b / "data/train.json").write_text("{}"),
                               "must hold a JSON list of task rows"),

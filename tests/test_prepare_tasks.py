@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from harbor.models.task.task import Task
-from harbor_fixture import make_snapshot, make_task, materialized, name_of, publish, source_of
+from harbor_fixture import GRADER_SHA256, make_snapshot, make_task, materialized, name_of, publish, source_of
 from hub_double import LocalHub
 from openenv.harbor.tasks import _task_dirs_from_directory
 
@@ -26,7 +26,8 @@ import recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTS = pt.Counts(medium=4, hard=6, test=3)
-SMALL = ["--train-medium", "4", "--train-hard", "6", "--test-tasks", "3"]
+COUNTS_ONLY = ["--train-medium", "4", "--train-hard", "6", "--test-tasks", "3"]
+SMALL = [*COUNTS_ONLY, "--grader-sha256", GRADER_SHA256]  # the fixture's tasks carry the fixture's grader
 # The fixture's task.toml carries `allow_internet` like the generator's; Harbor 0.25 warns it is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:The 'allow_internet' field is deprecated")
 PATCHED = {"docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB}
@@ -99,14 +100,17 @@ def test_help_documents_both_actions():
         assert text in res.stdout
 
 
-def test_missing_lists_name_the_command_that_creates_them(tmp_path):
-    """A real process: exit status non-zero, one line that gives the freeze command, nothing written."""
+def test_missing_lists_are_restored_from_git_not_refrozen(tmp_path):
+    """A real process: exit status non-zero, one line that says how to restore the committed lists, nothing written.
+
+    Freezing again would pick other tasks than the recipe's, so it is named only for other revisions or pools."""
     out = tmp_path / "tasks"
     res = subprocess.run([sys.executable, "prepare_tasks.py", "--out", str(out), "--data", str(tmp_path / "nodata")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     line = error_line(res.stderr)
-    assert "train.json is missing" in line and "`python prepare_tasks.py freeze`" in line
+    assert "train.json is missing: restore the recipe's lists with `git checkout -- data`" in line
+    assert "`python prepare_tasks.py freeze` is only for another dataset revision or task pool" in line
     assert not out.exists()
 
 
@@ -300,7 +304,13 @@ def drop_environment(sources, rows):
     return row["name"], "task.toml has no [environment] table"
 
 
-@pytest.mark.parametrize("break_source", [corrupt_instruction, drop_folder, drop_environment])
+def swap_grader(sources, rows):
+    path = sources["test"] / "tasks" / rows["test"][-1]["name"] / "tests" / "grader.py"
+    path.write_text(path.read_text().replace("<= float", "< float"))
+    return rows["test"][-1]["name"], "tests/grader.py sha256"
+
+
+@pytest.mark.parametrize("break_source", [corrupt_instruction, drop_folder, drop_environment, swap_grader])
 def test_bad_snapshot_fails_naming_the_task_and_leaves_nothing(work, capsys, break_source):
     tmp_path, sources = work
     rows = {s: load(tmp_path / "data" / f"{s}.json") for s in pt.SPLITS}
@@ -312,6 +322,19 @@ def test_bad_snapshot_fails_naming_the_task_and_leaves_nothing(work, capsys, bre
     assert rc == 2 and name in line and expect in line
     assert "use the pinned" in line  # and says how to fix it
     assert not out.exists()  # not even the good split that verified first
+
+
+def test_a_grader_other_than_the_recipes_is_refused_by_default(work, capsys):
+    """Without --grader-sha256 the recipe's GRADER_SHA256 is expected: the fixture's own grader is refused."""
+    tmp_path, sources = work
+    first = load(tmp_path / "data" / "train.json")[0]["name"]
+    out = tmp_path / "tasks"
+    rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
+                        "--test-source", str(sources["test"]), *COUNTS_ONLY], capsys)
+    line = error_line(err)
+    assert rc == 2 and f"train task {first}: tests/grader.py sha256 {GRADER_SHA256[:16]}" in line
+    assert recipe.GRADER_SHA256[:16] in line and "GRADER_SHA256" in line
+    assert not out.exists()
 
 
 def duplicate_name(rows):
@@ -356,7 +379,7 @@ def test_bad_list_fails_before_anything_is_written(work, capsys, break_list):
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
                         "--test-source", str(sources["test"]), *SMALL], capsys)
     line = error_line(err)
-    assert rc == 2 and name in line and expect in line and "prepare_tasks.py freeze" in line
+    assert rc == 2 and name in line and expect in line and "`git checkout -- data`" in line
     assert not out.exists()
 
 
