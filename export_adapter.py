@@ -245,10 +245,12 @@ def write_merged(base_model: str, adapter: Path, out: Path, card: str, dtype: st
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    base = AutoModelForCausalLM.from_pretrained(base_model, dtype=torch.float32)
+    # The recipe's base loads at the commit it was trained on; another --base-model is the user's own choice.
+    revision = recipe.BASE_MODEL_REVISION if base_model == recipe.BASE_MODEL else None
+    base = AutoModelForCausalLM.from_pretrained(base_model, revision=revision, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.to(getattr(torch, dtype)).save_pretrained(out)
-    AutoTokenizer.from_pretrained(base_model).save_pretrained(out)
+    AutoTokenizer.from_pretrained(base_model, revision=revision).save_pretrained(out)
     (out / "README.md").write_text(card)
 
 

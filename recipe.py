@@ -16,8 +16,9 @@ from pathlib import Path
 
 # --- Model -----------------------------------------------------------------
 BASE_MODEL = "LiquidAI/LFM2.5-2.6B"
-# Hub revision of the base model; pin a commit sha here for a fully reproducible run.
-BASE_MODEL_REVISION = "main"
+# The commit of the base model the recipe's lineage trained and evaluated; every load of its weights,
+# tokenizer or config (trainer, vLLM, export) uses it, never the moving `main`.
+BASE_MODEL_REVISION = "654f9463ce32b05d0429d76fe1f580b27d4c1ac0"
 # Trainer keeps the frozen base in fp32: PEFT merges/unmerges in place every sync, and in bf16
 # each cycle adds rounding drift to the frozen weights. vLLM serves bf16.
 TRAINER_DTYPE = "float32"

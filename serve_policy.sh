@@ -11,7 +11,8 @@
 #   HOST=<LOOPBACK>          bind address. Anything else needs ALLOW_NON_LOOPBACK=1: with VLLM_SERVER_DEV_MODE
 #                            the weight-update endpoints have no authentication.
 #   PORT=<VLLM_PORT>         port (must be free).
-#   MODEL=<BASE_MODEL>  REVISION=<BASE_MODEL_REVISION>  SERVED_NAME=<SERVED_MODEL_NAME>
+#   MODEL=<BASE_MODEL>  REVISION=<BASE_MODEL_REVISION> (weights, config and tokenizer: --revision and
+#   --tokenizer-revision)  SERVED_NAME=<SERVED_MODEL_NAME>
 #   MAX_MODEL_LEN=<MAX_MODEL_LEN>   context for a whole agent conversation (MAX_TOOL_CALLING_ITERATIONS calls).
 #   LORA=0                   1 = eval mode: --enable-lora --max-lora-rank <LORA_R> --max-loras $MAX_LORAS and
 #                            VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (/v1/load_lora_adapter); no weight transfer.
@@ -28,9 +29,9 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 # Prints the vLLM command line, one argument per line (read into an array by the caller).
 vllm_args() {
-  local model="${MODEL:-$(recipe BASE_MODEL)}"
+  local model="${MODEL:-$(recipe BASE_MODEL)}" revision="${REVISION:-$(recipe BASE_MODEL_REVISION)}"
   printf '%s\n' "${VLLM:-vllm}" serve "$model" \
-    --revision "${REVISION:-$(recipe BASE_MODEL_REVISION)}" \
+    --revision "$revision" --tokenizer-revision "$revision" \
     --served-model-name "${SERVED_NAME:-$(recipe SERVED_MODEL_NAME)}" \
     --host "$HOST" --port "$PORT" \
     --dtype "$(recipe SERVE_DTYPE)" \

@@ -211,17 +211,30 @@ def conv_safe_batching() -> dict[str, int]:
     }
 
 
+def model_init_kwargs(settings: Settings) -> dict[str, Any] | None:
+    """How TRL loads the base model: at the pinned revision, config included.
+
+    TRL 1.15's `create_model_from_path` reads `AutoConfig` without the revision (so from `main`) just to pick the
+    model class, unless it is given one; its `architecture` parameter is filled from these kwargs. With
+    `AutoModelForCausalLM` the class comes from the config at the pinned revision instead.
+    """
+    from transformers import AutoModelForCausalLM
+
+    if Path(settings.model).is_dir():
+        return None
+    return {"revision": settings.model_revision, "architecture": AutoModelForCausalLM}
+
+
 def grpo_config(settings: Settings) -> AsyncGRPOConfig:
     """The trainer's config: recipe numbers plus this run's steps, URLs and output directory."""
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     batching = conv_safe_batching()
     samples_per_step = batching["per_device_train_batch_size"] * batching["gradient_accumulation_steps"]
-    local_model = Path(settings.model).is_dir()
     return AsyncGRPOConfig(
         output_dir=settings.output_dir,
         dtype=recipe.TRAINER_DTYPE,
-        model_init_kwargs=None if local_model else {"revision": settings.model_revision},
+        model_init_kwargs=model_init_kwargs(settings),
         use_cpu=settings.device == "cpu",
         bf16=settings.device == "cuda",
         learning_rate=recipe.LEARNING_RATE,
