@@ -387,3 +387,22 @@ assert new <= {{"launch", "recipe", "prepare_tasks", "tomli_w", "packaging"}}, n
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False,
                           cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-2000:]
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_a_fresh_clone_dry_runs_every_mode_without_the_hub(tmp_path, mode):
+    """The tracked files alone (the committed task lists included), offline, no stored login: no extra step."""
+    tracked = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    clone = tmp_path / "clone"
+    for name in tracked.decode().split("\0"):
+        if name and (ROOT / name).is_file():
+            (clone / name).parent.mkdir(parents=True, exist_ok=True)
+            (clone / name).write_bytes((ROOT / name).read_bytes())
+    env = {"PATH": os.environ["PATH"], "HOME": str(tmp_path), "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1",
+           "HF_TOKEN": CANARY, "ADAPTER_REPO": ADAPTER}
+    res = subprocess.run([sys.executable, "launch.py", mode, "--dry-run"], cwd=clone, env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    plan = json.loads(res.stdout)
+    assert {"data/train.json", "data/test.json"} <= set(plan["upload"]["files"])
+    assert plan["job"]["flavor"] == EXPECTED[mode][1] and CANARY not in res.stdout
