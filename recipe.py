@@ -135,7 +135,30 @@ PUBLIC_PORT = 8000
 ENV_PORT = 8001  # Env server task API, loopback only.
 VLLM_PORT = 8100  # vLLM, loopback only: its dev endpoints are unauthenticated.
 LOOPBACK = "127.0.0.1"
-STALL_MINUTES = 30  # Watchdog: this long without an optimizer step fails the job.
+# Stall watchdog (run_job.sh). Progress = an optimizer step or, while the trainer waits for rollouts, a finished
+# rollout (rollout_guard.refresh_heartbeat). Every rollout call ends, done or failed, within OpenEnv's Harbor client
+# message timeout (openenv/harbor/client.py, 1800 s: sandbox boot, agent and grading); a session's create() and the
+# task API time out after 120 s (HarborEnv's HTTP client); TRL fails the run itself if its rollout child is not up
+# within 300 s (child_ready_timeout). Rollout slots are refilled at once, so on a healthy run the next rollout ends
+# at most TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S after the previous one, and the first one at most
+# WORKER_START_LIMIT_S + cold weight sync + that after training begins. STALL_MARGIN_S covers the cold sync (seconds
+# over NVLink) and the watchdog's own poll. A trainer busy with a step beats when the step ends; a step plus its
+# checkpoint push (PUSH_RETRIES attempts, 450 s of backoff in all) stays far inside the limit.
+# (300 + 120 + 1800 + 180) s = 2400 s = 40 minutes: a healthy run always beats within it, a real stall fails the job.
+ROLLOUT_CALL_LIMIT_S = 1800
+TASK_API_TIMEOUT_S = 120
+WORKER_START_LIMIT_S = 300
+STALL_MARGIN_S = 180
+STALL_MINUTES = -(-(WORKER_START_LIMIT_S + TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S + STALL_MARGIN_S) // 60)
+# Rollout guard (rollout_guard.py): an infrastructure failure costs one rollout (unscorable, counted); these stop
+# the job. A streak of one whole wave of in-flight rollouts (train_lora sets max_inflight_tasks to the same
+# product, 32): at even a 25% independent failure rate 32 in a row has probability 0.25**32 ~ 5e-20, so a streak
+# means a shared cause (env server, vLLM, sandboxes or the capture path down), and it is seen within one wave.
+ROLLOUT_ABORT_STREAK = MAX_STALENESS * NUM_GENERATIONS
+# Or an intermittent shared cause: more than half of the last 256 rollouts (32 groups, about 32 steps) unscorable.
+# A healthy run loses a few percent; at 10% independent failures, 129+ of 256 has probability below 1e-40.
+ROLLOUT_WINDOW = 256
+ROLLOUT_MAX_UNSCORABLE = 0.5
 # Env server sessions at once (OpenEnv's default is 4): every in-flight rollout holds one, and the
 # ones past the cap fail with SessionCapacityError. Must exceed training and eval concurrency.
 ENV_MAX_SESSIONS = 64

@@ -347,11 +347,25 @@ def eos_token_ids(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> lis
 def rollout_worker(
     settings: Settings, tokenizer: PreTrainedTokenizerBase, dataset: Dataset, factory: Callable[..., Any]
 ) -> HarnessRolloutWorker:
-    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none)."""
+    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none).
+
+    Its sessions go through rollout_guard (per-rollout failures unscorable and counted, systematic ones stop the
+    job), and while the trainer waits on it for samples, finished rollouts count as progress for the watchdog.
+    """
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
+    import rollout_guard
+
+    ledger = rollout_guard.ledger_path(settings.heartbeat_file)
+
+    class ProgressWorker(HarnessRolloutWorker):
+        def check_health(self, stale_after_s: float) -> None:
+            """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
+            super().check_health(stale_after_s)
+            rollout_guard.refresh_heartbeat(settings.heartbeat_file, ledger)
+
     args = grpo_config(settings)
-    return HarnessRolloutWorker(
+    return ProgressWorker(
         model_name=settings.served_model_name,
         dataset=dataset,
         reward_funcs=[],
@@ -369,7 +383,7 @@ def rollout_worker(
         repetition_penalty=args.repetition_penalty,
         request_timeout=args.request_timeout,
         max_tool_calling_iterations=args.max_tool_calling_iterations,
-        harness_session_factory=factory,
+        harness_session_factory=rollout_guard.guarded(factory, ledger),
         rollout_reward_fn=reward,
     )
 
@@ -469,7 +483,11 @@ class CheckpointPusher(TrainerCallback):
 
 
 class Heartbeat(TrainerCallback):
-    """Rewrites a file after every optimizer step; run_job.sh's watchdog fails the job when it goes stale."""
+    """Rewrites `<step> <time>` after every optimizer step; run_job.sh's watchdog fails the job when it goes stale.
+
+    While the trainer waits for rollouts, rollout_guard.refresh_heartbeat moves the file's mtime to the last
+    finished rollout too. Each step also logs the rollout counts from the ledger next to the heartbeat.
+    """
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -483,6 +501,13 @@ class Heartbeat(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         self.beat(state.global_step)
+        import rollout_guard
+
+        counts = rollout_guard.read_ledger(rollout_guard.ledger_path(self.path))
+        if counts:
+            logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
+                        counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],
+                        json.dumps(counts["unscorable"]))
 
 
 # --- Assembly ------------------------------------------------------------------------------------------------------
@@ -584,6 +609,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    started = time.time()
     try:
         recipe.check_versions()
         settings = settings_from_env(os.environ)
@@ -594,7 +620,22 @@ def main(argv: list[str] | None = None) -> int:
     except recipe.ConfigError as error:
         print(f"train_lora.py: error: {error}", file=sys.stderr)
         return 2
+    except Exception:
+        stopped = systematic_stop(settings, started)
+        if not stopped:
+            raise
+        logging.getLogger("train_lora").exception("training stopped")
+        print(f"train_lora.py: error: {stopped}", file=sys.stderr)
+        return 3
     return 0
+
+
+def systematic_stop(settings: Settings, since: float) -> str | None:
+    """The rollout guard's one-line verdict if it stopped this run (TRL re-raises it wrapped in RuntimeErrors)."""
+    import rollout_guard
+
+    ledger = rollout_guard.read_ledger(rollout_guard.ledger_path(settings.heartbeat_file))
+    return ledger.get("stopped") if ledger and ledger["started"] >= since else None
 
 
 if __name__ == "__main__":

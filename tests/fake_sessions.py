@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import hashlib
 import threading
+import time
+from types import SimpleNamespace
 from typing import Any
 
 from openenv.core.harness import VerifyResult
@@ -98,3 +100,111 @@ class FakeSessionFactory:
             self.created += 1
             over = self.rollout_budget is not None and self.created > self.rollout_budget
         return FakeSession(instruction, self.sampling or {}, 1.0 if correct else 0.0, self.tool_calls, over)
+
+
+class FaultySession(FakeSession):
+    """A FakeSession that fails the way a real rollout can (`fault`, one of FAULTS).
+
+    `sandbox` mirrors OpenEnv's HarborSession (envs/harbor_env/harness.py at 2ce2fa7 and 98c9532): a failed
+    rollout makes `wait_for_completion()` return 1 with `result.ok` False and `result.error` set, never raise,
+    and `verify()` still forwards `result.reward`, which a capture-failed rollout may carry (openenv 0.10.0
+    harbor/rollout.py: "One such rollout even carried reward=1.0"). `capture` raises what openenv 0.10.0's
+    `harbor/contract.py::to_training_trace` raises for a capture with a fatal validation finding.
+    """
+
+    def __init__(self, fault: str, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.fault = fault
+        self.result = SimpleNamespace(ok=fault != "sandbox", error="sandbox failed to boot", reward=1.0)
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        if self.fault == "agent_crash":
+            raise ConnectionResetError("env server connection reset mid-rollout")
+        if self.fault == "timeout":
+            raise TimeoutError("agent did not finish within its timeout")
+        return 1 if self.fault == "sandbox" else 0
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        if self.fault == "capture":
+            raise ValueError("cannot train a capture with fatal validation findings")
+        if self.fault == "empty_trace":
+            return TrainingTrace(turns=[])
+        return super().fetch_training_trace()
+
+    def verify(self, transcript: list[dict[str, Any]], final_state: Any = None) -> VerifyResult:
+        if self.fault == "verifier":
+            return VerifyResult(env_reward=None, done=True)
+        if self.fault == "empty_trace":
+            return VerifyResult(env_reward=0.0, done=True)  # the verifier graded an untouched workspace
+        return VerifyResult(env_reward=self.result.reward, done=True)
+
+
+# How each fault shows, and the rollout_guard class it must be counted under (None: scored).
+FAULTS = {"create": "create", "sandbox": "rollout", "agent_crash": "rollout", "capture": "capture",
+          "empty_trace": "empty_trace", "verifier": "verifier", "timeout": None}
+
+
+class FaultySessionFactory(FakeSessionFactory):
+    """FakeSessionFactory whose every rollout fails with `fault` (`create` fails in create())."""
+
+    def __init__(self, server_url: str = "http://env.invalid", *, fault: str, **kwargs: Any) -> None:
+        super().__init__(server_url, **kwargs)
+        self.fault = fault
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> FakeSession:
+        if self.fault == "create":
+            raise ConnectionError("env server refused the session: SessionCapacityError")
+        instruction = task[-1]["content"] if isinstance(task, list) else str(task)
+        return FaultySession(self.fault, instruction, self.sampling or {}, 1.0, self.tool_calls)
+
+
+def task_instruction(index: int) -> str:
+    """A SmolDataEnvs-sized instruction (tests/harbor_fixture.py writes the same shape)."""
+    files = "".join(f"- table_{index}_{k}.csv\n" for k in range(12))
+    return (f"You have access to the following files:\n{files}All of the files are located only in the "
+            "'/home/user/input' folder.\n\nAnswer the following question based on the provided files:\n"
+            f"What is the mean of column x in table_{index}_0.csv?\n\nWrite only the answer value to "
+            "/workdir/answer.txt.\n")
+
+
+class LazyTaskMapFactory:
+    """The task-map half of OpenEnv's HarborSessionFactory, as written at 2ce2fa7 and 98c9532.
+
+    Mirrors `envs/harbor_env/harness.py`: `tasks()` fetches the task list once (`if not self._tasks:`, a
+    task-API round trip, `get_task_range`), assigns `self._tasks`, then resets `self._by_instruction = {}` and
+    fills it task by task (sha1 of the instruction), with no lock; `create()` calls `self.tasks()` and then
+    looks the prompt's instruction up in `self._by_instruction`, raising KeyError when it is not there. TRL
+    rebuilds the factory in its rollout child, so the map starts empty and the first wave of pool threads
+    races through this. 1,000 tasks, as the recipe's train split has.
+    """
+
+    FETCH_S = 0.02  # one task-API round trip
+
+    def __init__(self, server_url: str = "http://env.invalid", *, n_tasks: int = 1000,
+                 sampling: dict[str, Any] | None = None, **harbor_kwargs: Any) -> None:
+        self.server_url, self.n_tasks, self.sampling = server_url, n_tasks, sampling
+        self._tasks: list[dict[str, Any]] = []
+        self._by_instruction: dict[str, int] = {}
+        self.fetches = 0
+
+    def tasks(self) -> list[dict[str, Any]]:
+        if not self._tasks:
+            self.fetches += 1
+            time.sleep(self.FETCH_S * (1 + self.fetches % 8 / 8))  # round trips vary
+            self._tasks = [{"index": i, "instruction": task_instruction(i)} for i in range(self.n_tasks)]
+            self._by_instruction = {}
+            for i, task in enumerate(self._tasks):
+                self._by_instruction[hashlib.sha1(task["instruction"].strip().encode()).hexdigest()] = i
+        return self._tasks
+
+    def prompt_rows(self) -> list[dict[str, Any]]:
+        return [{"prompt": [{"role": "user", "content": t["instruction"]}], "task_name": f"task-{t['index']}",
+                 "task_index": t["index"]} for t in self.tasks()]
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> FakeSession:
+        instruction = task[-1]["content"] if isinstance(task, list) else str(task)
+        self.tasks()  # ensures the instruction -> index map exists
+        index = self._by_instruction.get(hashlib.sha1(instruction.strip().encode()).hexdigest())
+        if index is None:
+            raise KeyError("this prompt does not match any task on the server")
+        return FakeSession(instruction, self.sampling or {}, 1.0, 0)

@@ -1,0 +1,264 @@
+"""Rollout-level failures: each one costs a rollout (unscorable, counted), only a systematic one stops the job.
+
+TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollout unscorable when the session's
+`create()`, `wait_for_completion()` or `verify()` raises, but it turns a ValueError/TypeError/KeyError from
+`fetch_training_trace()` (or from reconciling its turns) into CaptureContractError, which stops the rollout worker
+and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
+with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward.
+
+`guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
+turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
+ledger (LEDGER_NAME, next to the trainer's heartbeat), and raise SystematicRolloutFailure, which TRL cannot
+swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT_MAX_UNSCORABLE of the last
+ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import threading
+import time
+from collections import Counter, deque
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import recipe
+
+# Per-rollout failure classes, in the order a rollout meets them (README "Rollout failures" says what causes each).
+FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
+LEDGER_NAME = "rollouts.json"
+
+
+class RolloutFailure(RuntimeError):
+    """One rollout failed for a reason outside the policy. Not a ValueError: TRL scores it unscorable."""
+
+
+class SystematicRolloutFailure(BaseException):
+    """Rollouts fail systematically: stop the job. A BaseException because TRL's `except Exception` around each
+    session step would otherwise score it as one more unscorable rollout."""
+
+
+def ledger_path(heartbeat_file: str | Path) -> Path:
+    """Where the rollout counts live: next to the heartbeat, so the smoke report and live metrics find both."""
+    return Path(heartbeat_file).with_name(LEDGER_NAME)
+
+
+def read_ledger(path: str | Path) -> dict[str, Any] | None:
+    """The ledger's last state, or None if the rollout worker has not written it yet."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
+class Ledger:
+    """Counts every finished rollout by outcome and decides when failures are systematic (thread-safe).
+
+    Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out,
+    unscorable: {class: n}, unscorable_total, streak, window: {size, unscorable}, last_error: {class, error, at},
+    stopped}. `stopped` is the one line the job stops with, else null.
+    """
+
+    def __init__(self, path: str | Path, *, streak_limit: int = recipe.ROLLOUT_ABORT_STREAK,
+                 window: int = recipe.ROLLOUT_WINDOW, max_unscorable: float = recipe.ROLLOUT_MAX_UNSCORABLE) -> None:
+        self.path = Path(path)
+        self.streak_limit, self.max_unscorable = streak_limit, max_unscorable
+        self._lock = threading.Lock()
+        self._recent: deque[str | None] = deque(maxlen=window)  # failure class, or None when scored
+        self._streak: list[str] = []
+        self.state: dict[str, Any] = {
+            "schema": 1, "started": time.time(), "updated": time.time(), "rollouts": 0, "scored": 0,
+            "timed_out": 0, "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
+            "window": {"size": window, "unscorable": 0}, "last_error": None, "stopped": None}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._write()
+
+    def record(self, failure: str | None, error: str = "", *, timed_out: bool = False) -> None:
+        """One finished rollout: `failure` is its class (None = scored). Raises SystematicRolloutFailure on a trip."""
+        with self._lock:
+            state = self.state
+            if state["stopped"]:
+                raise SystematicRolloutFailure(state["stopped"])
+            state["rollouts"] += 1
+            state["timed_out"] += timed_out
+            self._recent.append(failure)
+            if failure is None:
+                state["scored"] += 1
+                self._streak.clear()
+            else:
+                state["unscorable"][failure] += 1
+                state["unscorable_total"] += 1
+                self._streak.append(failure)
+                state["last_error"] = {"class": failure, "error": error[:500], "at": time.time()}
+            failed = [c for c in self._recent if c is not None]
+            state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
+            state["updated"] = time.time()
+            if len(self._streak) >= self.streak_limit:
+                state["stopped"] = self._stop_line(f"{len(self._streak)} rollouts in a row were unscorable",
+                                                   self._streak, failure, error)
+            elif len(self._recent) == self._recent.maxlen and len(failed) > self.max_unscorable * len(self._recent):
+                state["stopped"] = self._stop_line(
+                    f"{len(failed)} of the last {len(self._recent)} rollouts were unscorable", failed, failure, error)
+            self._write()
+            if state["stopped"]:
+                raise SystematicRolloutFailure(state["stopped"])
+
+    @staticmethod
+    def _stop_line(what: str, classes: list[str], failure: str | None, error: str) -> str:
+        counts = ", ".join(f"{c} {n}" for c, n in Counter(classes).most_common())
+        return (f"rollouts are failing systematically: {what} ({counts}); last: {failure}: {error[:300]} "
+                "-- fix the env server, vLLM or the sandboxes, then relaunch (it resumes from the last checkpoint)")
+
+    def _write(self) -> None:
+        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
+        temp.write_text(json.dumps(self.state))
+        os.replace(temp, self.path)
+
+
+def _trl_sequences(trace: Any) -> list[Any]:
+    """What TRL 1.15 will make of this trace (same calls, same order as `_run_session`); raises where TRL would."""
+    from trl.experimental.async_grpo.async_rollout_worker import _chain_to_sequences
+    from trl.experimental.async_grpo.openenv_harness import _turns_from_training_trace
+
+    turns = _turns_from_training_trace(trace)
+    trace.to_trace_entries()
+    # fork threshold 0: what TRL's loop-owning path uses with lossless capture (its default).
+    sequences, _ = _chain_to_sequences(turns, "guard-check", 0)
+    return sequences
+
+
+def _describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"
+
+
+class GuardedSession:
+    """One rollout through a wrapped session; classifies how it ended and records it when TRL closes it."""
+
+    def __init__(self, inner: Any, ledger: Ledger) -> None:
+        self.inner, self.ledger = inner, ledger
+        self.failure: str | None = None
+        self.error = ""
+        self.timed_out = False
+        self._waited = False  # wait_for_completion() returned or raised: the rollout ran to an end
+        self._waiting = False
+        self._stopped_early = False  # closed while still running: the trainer is stopping, not a failure
+        self._recorded = False
+
+    def _fail(self, failure: str, error: str) -> RolloutFailure:
+        if self.failure is None:
+            self.failure, self.error = failure, error
+        return RolloutFailure(f"{failure}: {error}")
+
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return self.inner.initial_messages()
+
+    def list_tools(self) -> list[Any]:
+        return self.inner.list_tools()
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
+        return self.inner.call_tool(name, arguments)
+
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        """The inner wait; a non-zero exit or an exception other than TimeoutError fails the rollout."""
+        self._waiting = True
+        try:
+            code = self.inner.wait_for_completion() if timeout_s is None else self.inner.wait_for_completion(timeout_s)
+        except TimeoutError:
+            self.timed_out = True  # TRL trains the captured turns with timed_out flagged
+            raise
+        except Exception as error:
+            raise self._fail("rollout", _describe(error)) from error
+        finally:
+            self._waiting, self._waited = False, True
+        if code:
+            result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
+            reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
+            self._fail("rollout", f"exit code {code}" + (f": {reason}" if reason else ""))
+        return code
+
+    def fetch_training_trace(self) -> Any:
+        """The inner trace, only if TRL can train on it: any capture failure becomes RolloutFailure (unscorable)."""
+        if self.failure is not None:
+            raise RolloutFailure(f"{self.failure}: {self.error}")
+        try:
+            trace = self.inner.fetch_training_trace()
+            sequences = _trl_sequences(trace)
+        except Exception as error:
+            raise self._fail("capture", _describe(error)) from error
+        if not sequences:
+            raise self._fail("empty_trace", f"no trainable turn captured ({len(trace.turns)} turns)")
+        return trace
+
+    def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> Any:
+        """The inner verdict; a crash or a missing reward fails the rollout.
+
+        Raised rather than returned as None: TRL would still train a no-reward rollout's turns at advantage 0,
+        spending a step's sample slots on nothing.
+        """
+        try:
+            result = self.inner.verify(transcript, final_state)
+        except Exception as error:
+            raise self._fail("verifier", _describe(error)) from error
+        if result.env_reward is None:
+            raise self._fail("verifier", "the verifier wrote no reward")
+        return result
+
+    def close(self) -> None:
+        """Close the inner session; the first close after the rollout ended records its outcome in the ledger."""
+        if self._waiting:
+            self._stopped_early = True
+        try:
+            self.inner.close()
+        finally:
+            if self._waited and not self._stopped_early and not self._recorded:
+                self._recorded = True
+                self.ledger.record(self.failure, self.error, timed_out=self.timed_out)
+
+
+class GuardedSessionFactory:
+    """Built in TRL's rollout child from `guarded()`: the inner factory with its task map warmed, plus the ledger."""
+
+    def __init__(self, inner: Callable[..., Any], ledger_file: str, **kwargs: Any) -> None:
+        self.inner = inner(**kwargs)
+        # Warm the inner factory's task map here, before TRL starts its session pool: HarborSessionFactory fills
+        # it lazily inside create(), unlocked, and threads racing there get KeyError (issue 14, defect 7).
+        warm = getattr(self.inner, "tasks", None)
+        if callable(warm):
+            warm()
+        self.ledger = Ledger(ledger_file)
+
+    def prompt_rows(self) -> list[dict[str, Any]]:
+        return self.inner.prompt_rows()
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> GuardedSession:
+        try:
+            session = self.inner.create(task, seed=seed, episode_id=episode_id)
+        except Exception as error:
+            self.ledger.record("create", _describe(error))
+            raise RolloutFailure(f"create: {_describe(error)}") from error
+        return GuardedSession(session, self.ledger)
+
+
+def guarded(factory: Callable[..., Any], ledger_file: str | Path) -> Callable[..., GuardedSessionFactory]:
+    """A picklable factory of guarded factories: what TRL's worker gets as `harness_session_factory`."""
+    return functools.partial(GuardedSessionFactory, factory, str(ledger_file))
+
+
+def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> None:
+    """While the trainer waits for rollouts: date the heartbeat to the newest progress, step or finished rollout.
+
+    The heartbeat's text keeps the last optimizer step and its time (written by train_lora.Heartbeat); only its
+    mtime moves, which is what run_job.sh's watchdog reads. Only a trainer that is waiting calls this, so a
+    trainer stuck elsewhere still goes stale while rollouts keep finishing.
+    """
+    heartbeat = Path(heartbeat_file)
+    try:
+        stepped = float(heartbeat.read_text().split()[1])
+        finished = Path(ledger_file).stat().st_mtime
+    except (OSError, IndexError, ValueError):
+        return
+    progress = min(max(stepped, finished), time.time())
+    os.utime(heartbeat, (progress, progress))

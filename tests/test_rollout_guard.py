@@ -1,0 +1,201 @@
+"""Rollout-level failures (issue 20) and the task-map race (issue 14, defect 7), through TRL 1.15's real rollout loop.
+
+The worker comes from `train_lora.rollout_worker()` and its loop is built from the worker's pickled kwargs, as
+TRL's spawned child builds it; each rollout runs through the real `_HarnessRolloutLoop._run_session`. Only the
+sessions are stand-ins (`tests/fake_sessions.py`, each saying which real code it mirrors).
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import pickle
+import queue
+import sys
+import threading
+import time
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+from accelerate.state import PartialState
+from datasets import Dataset
+
+import recipe
+import train_lora
+from tests.fake_sessions import (
+    FAULTS,
+    TASKS,
+    FakeSessionFactory,
+    FaultySessionFactory,
+    LazyTaskMapFactory,
+    task_instruction,
+)
+from tests.tiny_lfm2 import save_tiny_model
+from tests.trl_cpu_shims import cpu_trainer_shims
+
+REPO = "me/LFM2.5-2.6B-opencode-lora-RL"
+PROMPT = [{"role": "user", "content": TASKS[0]}]
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch):
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="module")
+def tokenizer_and_settings(tmp_path_factory):
+    model_dir = save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
+    settings = train_lora.settings_from_env({"ADAPTER_REPO": REPO, "HF_TOKEN": "hf_x", "MODEL": str(model_dir),
+                                             "DEVICE": "cpu"})
+    return train_lora.load_tokenizer(settings), settings
+
+
+@pytest.fixture
+def make_loop(tokenizer_and_settings, tmp_path):
+    """`make_loop(factory)` -> (TRL's rollout loop as its child builds it, the run's settings); torn down after."""
+    tokenizer, base = tokenizer_and_settings
+    settings = train_lora.Settings(**{**base.__dict__, "heartbeat_file": str(tmp_path / "heartbeat")})
+    PartialState()  # what TRL's _child_main does before building the loop
+    loops = []
+
+    def make(factory):
+        dataset = Dataset.from_list(functools.partial(FakeSessionFactory)().prompt_rows())
+        with cpu_trainer_shims():
+            worker = train_lora.rollout_worker(settings, tokenizer, dataset, factory)
+        kwargs = pickle.loads(pickle.dumps(worker._loop_kwargs))  # what the spawned child receives
+        loop = worker._loop_cls(**kwargs, rollout_buffer=queue.Queue(), model_version_value=SimpleNamespace(value=0),
+                                heartbeat_value=SimpleNamespace(value=time.time()), failed_event=threading.Event(),
+                                exception_info_queue=queue.Queue(maxsize=1), metrics_queue=queue.Queue())
+        loops.append(loop)
+        return loop, settings
+
+    yield make
+    for loop in loops:
+        loop._session_pool.shutdown(wait=True)
+        loop._tool_pool.shutdown(wait=True)
+        loop._loop.close()
+
+
+def ledger(settings) -> dict:
+    """The counts the guard writes next to the heartbeat (README: "Rollout failures")."""
+    return json.loads(Path(settings.heartbeat_file).with_name("rollouts.json").read_text())
+
+
+# --- one test per failure class --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("fault", list(FAULTS))
+def test_a_failed_rollout_costs_that_rollout_only_and_is_counted(make_loop, fault):
+    loop, settings = make_loop(functools.partial(FaultySessionFactory, fault=fault))
+    (completion, completion_ids, sequences, tool_calls, tool_failures, reward), _ = loop._run_session(PROMPT, 0)
+    if FAULTS[fault] is None:  # agent timeout: TRL trains the captured turns, flagged timed out
+        assert sequences and reward is not None
+        counts = ledger(settings)
+        assert counts["rollouts"] == counts["scored"] == counts["timed_out"] == 1 and counts["unscorable_total"] == 0
+        return
+    # Unscorable: no reward, so TRL leaves it out of the group baseline (and trains nothing from it).
+    assert reward is None and sequences == []
+    counts = ledger(settings)
+    assert counts["rollouts"] == 1
+    assert counts["unscorable"][FAULTS[fault]] == 1 and counts["unscorable_total"] == 1 and counts["scored"] == 0
+    assert counts["last_error"]["class"] == FAULTS[fault] and counts["last_error"]["error"]
+    assert counts["stopped"] is None
+
+
+def test_a_scored_rollout_is_counted_and_ends_a_failure_streak(make_loop):
+    loop, settings = make_loop(functools.partial(FakeSessionFactory))
+    _, metrics = loop._run_session(PROMPT, 0)
+    assert metrics is not None
+    counts = ledger(settings)
+    assert (counts["rollouts"], counts["scored"], counts["unscorable_total"], counts["streak"]) == (1, 1, 0, 0)
+
+
+def test_systematic_failure_stops_the_worker_with_one_line_naming_class_and_error(make_loop):
+    """Every session create fails (env server down): the real loop stops itself, no endless unscorable spin."""
+    loop, settings = make_loop(functools.partial(FaultySessionFactory, fault="create"))
+
+    def run() -> None:
+        try:
+            loop.run()
+        except BaseException:  # noqa: BLE001 - the stop itself; its report is read off the loop below
+            pass
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    try:
+        stopped = loop._failed_event.wait(timeout=60)
+    finally:
+        loop._loop.call_soon_threadsafe(loop._stop_event.set)
+        thread.join(timeout=30)
+    assert stopped, "the rollout loop kept scoring failed rollouts as unscorable and never stopped"
+    type_name, message, _ = loop._exception_info_queue.get_nowait()  # what the trainer's check_health raises
+    assert type_name == "SystematicRolloutFailure"
+    assert f"{recipe.ROLLOUT_ABORT_STREAK} rollouts in a row were unscorable (create " in message
+    assert "last: create: ConnectionError: env server refused the session" in message and "\n" not in message
+    counts = ledger(settings)
+    assert counts["stopped"] == message and counts["unscorable"]["create"] >= recipe.ROLLOUT_ABORT_STREAK
+
+
+def test_train_lora_main_ends_a_systematic_stop_with_that_one_line(tmp_path, monkeypatch, capsys):
+    import rollout_guard
+
+    heartbeat = tmp_path / "heartbeat"
+
+    def failing_train(settings, **_):
+        guard = rollout_guard.Ledger(rollout_guard.ledger_path(settings.heartbeat_file))
+        with pytest.raises(rollout_guard.SystematicRolloutFailure):
+            for _ in range(recipe.ROLLOUT_ABORT_STREAK):
+                guard.record("rollout", "exit code 1: sandbox failed to boot")
+        raise RuntimeError("Rollout worker child has failed; see chained exception.")  # TRL's words
+
+    monkeypatch.setattr(train_lora, "train", failing_train)
+    monkeypatch.setattr(os, "environ", {"ADAPTER_REPO": REPO, "HF_TOKEN": "hf_x", "HEARTBEAT_FILE": str(heartbeat)})
+    assert train_lora.main([]) == 3
+    last = capsys.readouterr().err.strip().splitlines()[-1]
+    assert last.startswith("train_lora.py: error: rollouts are failing systematically: 32 rollouts in a row")
+    assert "(rollout 32); last: rollout: exit code 1: sandbox failed to boot" in last
+
+
+def test_guard_trips_on_a_failure_rate_over_the_window_too(tmp_path):
+    import rollout_guard
+
+    guard = rollout_guard.Ledger(tmp_path / "rollouts.json", streak_limit=1000, window=10, max_unscorable=0.5)
+    for i in range(9):  # alternate: never a streak, 5 of 9 unscorable but the window is not full yet
+        guard.record("capture" if i % 2 == 0 else None, "409 from the proxy")
+    with pytest.raises(rollout_guard.SystematicRolloutFailure, match=r"6 of the last 10 rollouts were unscorable"):
+        guard.record("capture", "409 from the proxy")
+    assert json.loads((tmp_path / "rollouts.json").read_text())["stopped"].startswith("rollouts are failing")
+
+
+# --- issue 14, defect 7: the first wave of create() calls races on the task map ---------------------------------------
+def first_wave(factory, prompts) -> list[BaseException]:
+    """32 pool threads calling create() at once, as TRL's session pool does when the child starts."""
+    start = threading.Barrier(len(prompts))
+    errors: list[BaseException] = []
+
+    def create(prompt) -> None:
+        start.wait()
+        try:
+            factory.create(prompt).close()
+        except Exception as error:  # noqa: BLE001 - collected and asserted by the caller
+            errors.append(error)
+
+    switch = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)  # interleave the pool threads finely, as a busy child does
+    try:
+        threads = [threading.Thread(target=create, args=(p,)) for p in prompts]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+    finally:
+        sys.setswitchinterval(switch)
+    return errors
+
+
+def test_first_wave_of_concurrent_creates_finds_every_task(make_loop):
+    prompts = [[{"role": "user", "content": task_instruction(i)}] for i in range(500, 532)]
+    for _ in range(4):  # four child starts: the race does not bite every time
+        loop, _ = make_loop(functools.partial(LazyTaskMapFactory))
+        assert first_wave(loop._factory, prompts) == []
+        assert getattr(loop._factory, "inner", loop._factory).fetches == 1  # warmed once, before the pool
