@@ -15,7 +15,8 @@
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   OPENENV_GIT=<OPENENV_GIT>  OPENENV_COMMIT=<OPENENV_COMMIT>   OpenEnv checkout providing envs/harbor_env.
 #   WORK_DIR=/tmp/lfm-job    tasks, OpenEnv clone, trainer output, heartbeat. Logs: LOG_DIR=/tmp/lfm-logs.
-#   STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)   no optimizer step for this long fails the job.
+#   STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)   no optimizer step and no finished rollout for this long
+#                            fails the job (recipe.py states why a healthy run always beats within it).
 #   WATCH_INTERVAL=30        seconds between watchdog checks.   READY_TIMEOUT=1800  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   FINAL_EVAL=1             0 skips the final eval (run_eval.sh) after training.
@@ -122,7 +123,7 @@ start_env_server() {
 arm_watchdog() {
   dry_run || mkdir -p "$WORK_DIR"
   dry_run || touch "$HEARTBEAT_FILE"
-  STEP_NOTE="trainer must touch $HEARTBEAT_FILE every ${STALL_SECONDS}s; any server exiting ends the job"
+  STEP_NOTE="no optimizer step and no finished rollout for ${STALL_SECONDS}s ($HEARTBEAT_FILE) fails the job; so does any server exiting"
 }
 
 # 8. The trainer on its GPU, supervised until it exits.
@@ -153,13 +154,13 @@ supervise() {
     if ! kill -0 "${PID[trainer]}" 2>/dev/null; then
       rc=0; wait "${PID[trainer]}" || rc=$?
       [ "$rc" -eq 0 ] && return 0
-      tail_log trainer; die "trainer exited with status $rc: see the log tail above"
+      tail_log trainer; die "trainer exited with status $rc: $(tail -n 1 "$LOG_DIR/trainer.log" 2>/dev/null)"
     fi
     age=$(( $(date +%s) - $(stat -c %Y "$HEARTBEAT_FILE" 2>/dev/null || echo 0) ))  # a deleted file counts as stale
     if (( age > STALL_SECONDS )); then
       stop_child trainer
       tail_log trainer
-      die "trainer stalled: no optimizer step for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
+      die "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
     fi
     sleep "$WATCH_INTERVAL" & wait $! # interruptible, so a TERM is handled at once
   done

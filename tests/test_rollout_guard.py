@@ -199,3 +199,27 @@ def test_first_wave_of_concurrent_creates_finds_every_task(make_loop):
         loop, _ = make_loop(functools.partial(LazyTaskMapFactory))
         assert first_wave(loop._factory, prompts) == []
         assert getattr(loop._factory, "inner", loop._factory).fetches == 1  # warmed once, before the pool
+
+
+# --- issue 14, defect 4: while the trainer waits for rollouts, a finished rollout is progress ----------------------
+def test_waiting_trainer_dates_its_heartbeat_to_the_last_finished_rollout(tokenizer_and_settings, tmp_path):
+    tokenizer, base = tokenizer_and_settings
+    settings = train_lora.Settings(**{**base.__dict__, "heartbeat_file": str(tmp_path / "heartbeat")})
+    dataset = Dataset.from_list(FakeSessionFactory().prompt_rows())
+    with cpu_trainer_shims():
+        worker = train_lora.rollout_worker(settings, tokenizer, dataset, functools.partial(FakeSessionFactory))
+    worker._heartbeat_value.value = time.time()  # the rollout child is alive
+    heartbeat, ledger_file = Path(settings.heartbeat_file), tmp_path / "rollouts.json"
+    began = time.time() - 1000  # training began 1000 s ago; no optimizer step since
+    heartbeat.write_text(f"0 {began:.0f}\n")
+    os.utime(heartbeat, (began, began))
+    ledger_file.write_text("{}")
+    os.utime(ledger_file, (time.time() - 10,) * 2)  # a rollout finished 10 s ago
+
+    worker.check_health(300.0)  # TRL calls this every 5 s while the trainer waits for samples
+    assert abs(heartbeat.stat().st_mtime - (time.time() - 10)) < 2
+
+    os.utime(ledger_file, (began - 500,) * 2)  # no rollout has finished since before training began
+    worker.check_health(300.0)
+    assert abs(heartbeat.stat().st_mtime - began) < 2  # still stale: the watchdog may fire
+    assert heartbeat.read_text().split()[0] == "0"  # the text still says the last optimizer step

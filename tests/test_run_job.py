@@ -23,7 +23,7 @@ import recipe
 ROOT = Path(__file__).resolve().parents[1]
 STUBS = Path(__file__).resolve().parent / "stubs"
 REAL = ["run_job.sh", "common.sh", "recipe.py", "requirements.txt", "serve_policy.sh", "serve_env.sh",
-        "seam_patch.py", "capture_gateway.py"]
+        "seam_patch.py", "capture_gateway.py", "rollout_guard.py"]
 FAKES = {"train_lora.py": "fake_trainer.py", "prepare_tasks.py": "fake_prepare_tasks.py",
          "run_eval.sh": "fake_run_eval.sh"}
 SECRET = "hf_secret_token_value"
@@ -177,11 +177,29 @@ def test_watchdog_kills_stalled_trainer(job):
     started = time.monotonic()
     out = run_job(job, STUB_TRAIN="stall", STALL_SECONDS="2")
     assert out.returncode != 0
-    assert "trainer stalled: no optimizer step for" in out.stderr and "(limit 2s)" in out.stderr
+    assert "trainer stalled: no optimizer step and no finished rollout for" in out.stderr
+    assert "(limit 2s)" in out.stderr
     assert "trainer| step 1 done; now hanging" in out.stderr  # its log tail
     assert time.monotonic() - started < 40
     assert not any(line.startswith("run_eval") for line in stub_log(job))
     assert_no_leftovers(job["token"])  # the trainer's grandchild `sleep` included
+
+
+def test_watchdog_spares_a_first_step_longer_than_its_limit_while_rollouts_finish(job):
+    """Issue 14, defect 4: a whole group must finish before step 1, which can take longer than STALL_MINUTES."""
+    out = run_job(job, STUB_TRAIN="slow_first_step", STALL_SECONDS="2", FINAL_EVAL="0")
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "trainer stalled" not in out.stderr and "step 9/9 final-eval: skipped" in out.stdout
+    assert_no_leftovers(job["token"])
+
+
+def test_watchdog_kills_a_wedged_trainer_although_rollouts_still_finish(job):
+    started = time.monotonic()
+    out = run_job(job, STUB_TRAIN="wedged", STALL_SECONDS="2")
+    assert out.returncode != 0
+    assert "trainer stalled: no optimizer step and no finished rollout for" in out.stderr
+    assert time.monotonic() - started < 40
+    assert_no_leftovers(job["token"])
 
 
 def test_failing_final_eval_fails_the_job(job):

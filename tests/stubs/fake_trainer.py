@@ -2,6 +2,10 @@
 
 ok (default): touches HEARTBEAT_FILE once per step for MAX_STEPS steps and exits 0.
 stall: starts a grandchild `sleep`, touches the heartbeat once and hangs. crash: exits 7 with a traceback.
+slow_first_step: a healthy run whose first step takes 3 x STALL_SECONDS: rollouts keep finishing (the rollout
+  child rewrites rollouts.json next to the heartbeat) while the trainer waits for samples and calls the real
+  rollout_guard.refresh_heartbeat, as train_lora's worker does from TRL's check_health; then it steps and exits 0.
+wedged: rollouts keep finishing but the trainer is stuck (never waits, never steps): must be killed.
 """
 
 from __future__ import annotations
@@ -25,6 +29,8 @@ def main() -> None:
     if mode == "crash":
         print("Traceback (most recent call last):\nRuntimeError: simulated trainer crash", flush=True)
         sys.exit(7)
+    if mode in ("slow_first_step", "wedged"):
+        rollouts_finishing(heartbeat, mode == "slow_first_step", 3 * float(env["STALL_SECONDS"]))
     if mode == "stall":
         subprocess.Popen(["sleep", "300"])
         heartbeat.touch()
@@ -34,6 +40,23 @@ def main() -> None:
         time.sleep(0.1)
         heartbeat.touch()
         print(f"step {step + 1}", flush=True)
+
+
+def rollouts_finishing(heartbeat: Path, waiting: bool, seconds: float) -> None:
+    """`seconds` without an optimizer step while a rollout finishes every 0.2 s."""
+    heartbeat.write_text(f"0 {time.time():.0f}\n")  # train_lora.Heartbeat at train begin
+    ledger = heartbeat.with_name("rollouts.json")
+    try:
+        from rollout_guard import refresh_heartbeat
+    except ImportError:  # a bundle without the guard: the trainer's waiting is invisible to the watchdog
+        refresh_heartbeat = None
+    print("waiting for the first group of rollouts", flush=True)
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        time.sleep(0.2)
+        ledger.write_text("{}")
+        if waiting and refresh_heartbeat:
+            refresh_heartbeat(heartbeat, ledger)
 
 
 if __name__ == "__main__":
