@@ -256,14 +256,25 @@ def check_output_cap(result: Any) -> None:
 
 
 def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, Any]:
-    """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable."""
+    """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable.
+
+    A failure of this one rollout (session create, the rollout call, the verifier) is an unscorable cell whose
+    error starts with its class (README "Rollout failures"), never an exception that ends the eval.
+    """
     start = time.monotonic()
-    session = factory(task_index, model)
+    result, error = None, ""
     try:
-        session.wait_for_completion()
-        result = session.result
-    finally:
-        session.close()
+        session = factory(task_index, model)
+    except Exception as exc:  # noqa: BLE001 - one failed create is one unscorable cell
+        session, error = None, f"create: {type(exc).__name__}: {exc}"
+    if session is not None:
+        try:
+            session.wait_for_completion()
+            result = session.result
+        except Exception as exc:  # noqa: BLE001 - one failed rollout is one unscorable cell
+            error = f"rollout: {type(exc).__name__}: {exc}"
+        finally:
+            session.close()
     check_output_cap(result)
     ok = result is not None and getattr(result, "ok", False) and result.reward is not None
     turns = [t for t in (getattr(result, "turns", None) or []) if t.role == "agent" and not t.discarded]
@@ -273,15 +284,17 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
         "unscorable": not ok,
         "tool_calls": sum(len(t.tool_calls) for t in turns),
         "model_calls": int(getattr(result, "n_turns", 0) or 0),
-        "error": None if ok else _cell_error(session, result),
+        "error": None if ok else (error or _cell_error(session, result)),
         "duration_s": round(time.monotonic() - start, 3),
     }
 
 
 def _cell_error(session: Rollout, result: Any) -> str:
     if result is None:
-        return str(getattr(session, "error", "") or "rollout call failed")[:300]
-    return str(getattr(result, "error", "") or "no reward (verifier did not grade)")[:300]
+        return "rollout: " + str(getattr(session, "error", "") or "rollout call failed")[:300]
+    if not getattr(result, "ok", False):
+        return "rollout: " + str(getattr(result, "error", "") or "the env server reported the rollout failed")[:300]
+    return "verifier: no reward (verifier did not grade)"
 
 
 def cell_key(cell: dict[str, Any]) -> tuple[str, int]:

@@ -262,13 +262,21 @@ def test_rehearsal_trains_is_killed_after_checkpoint_2_and_resumes_for_step_3(tm
         assert not torch.equal(tuned(input_ids=ids).logits, base_logits)
 
 
-def test_one_command_runs_three_steps_end_to_end(tmp_path: Path) -> None:
-    """The README's one command, uninterrupted: 3 steps, a sync after each, checkpoint-2 and the final adapter."""
+def test_one_command_runs_three_steps_end_to_end_through_one_failure_of_each_class(tmp_path: Path) -> None:
+    """The README's one command, uninterrupted: 3 steps, a sync after each, checkpoint-2 and the final adapter.
+
+    With `--faults all` the first rollouts fail once in each way a production rollout can (issue 20): each
+    costs that rollout only (unscorable, counted by class) and training still reaches its last step.
+    """
     workdir = tmp_path / "rehearsal"
     repo = workdir / "hub" / ADAPTER_REPO
-    run = run_rehearsal(workdir)
+    run = run_rehearsal(workdir, "--faults", "all")
     assert run.returncode == 0, run.stdout[-3000:]
     report = json.loads((workdir / "report.json").read_text())
+    counts = report["rollouts"]
+    assert counts["unscorable"] == {"create": 1, "rollout": 3, "capture": 1, "empty_trace": 1, "verifier": 1}, counts
+    assert counts["timed_out"] == 1 and counts["stopped"] is None
+    assert counts["scored"] >= 3 * recipe.NUM_GENERATIONS  # every trained sample came from a scored rollout
     assert report["resumed_from"] is None
     assert [row["step"] for row in report["steps"]] == [1, 2, 3]
     assert report["heartbeats"] == [1, 2, 3]

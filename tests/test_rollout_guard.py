@@ -223,3 +223,34 @@ def test_waiting_trainer_dates_its_heartbeat_to_the_last_finished_rollout(tokeni
     worker.check_health(300.0)
     assert abs(heartbeat.stat().st_mtime - began) < 2  # still stale: the watchdog may fire
     assert heartbeat.read_text().split()[0] == "0"  # the text still says the last optimizer step
+
+
+# --- the same guard on the eval path ------------------------------------------------------------------------------
+class CrashingEvalSession:
+    """A rollout whose call raises (a client that does not catch, like HarborEvalSession does, e.g. a reset)."""
+
+    result = None
+
+    def wait_for_completion(self) -> int:
+        raise ConnectionResetError("env server connection reset mid-rollout")
+
+    def close(self) -> None:
+        pass
+
+
+def test_an_eval_rollout_that_raises_is_one_unscorable_cell_and_an_outage_still_stops(tmp_path, monkeypatch):
+    import eval_adapter as ea
+
+    def factory(task_index: int, model: str) -> CrashingEvalSession:
+        if task_index == 0:
+            raise ConnectionError("env server refused the session")
+        return CrashingEvalSession()
+
+    jobs = [("base", recipe.SERVED_MODEL_NAME, {"index": i, "task_name": f"t{i}"}) for i in range(3)]
+    monkeypatch.setattr(recipe, "EVAL_ABORT_STREAK", 3 * recipe.EVAL_CELL_ATTEMPTS)
+    results = ea.ResultsFile(tmp_path / "r.json", {})
+    with pytest.raises(ea.InfrastructureDown, match=r"in a row were unscorable \(last: rollout: ConnectionResetError"):
+        ea.run_cells(factory, jobs, results, concurrency=1)
+    cells = {c["task_index"]: c for c in results.doc["cells"]}
+    assert cells[0]["unscorable"] and cells[0]["error"].startswith("create: ConnectionError: env server refused")
+    assert cells[1]["unscorable"] and cells[1]["error"].startswith("rollout: ConnectionResetError")

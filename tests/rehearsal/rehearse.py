@@ -45,12 +45,13 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 from hub_double import LocalHub  # noqa: E402
 from policy_server import PolicyServer  # noqa: E402
-from sessions import ScriptedAgentSessionFactory  # noqa: E402
+from sessions import FAULTS, ScriptedAgentSessionFactory  # noqa: E402
 from tiny_lfm2 import save_tiny_model  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 import recipe  # noqa: E402
+import rollout_guard  # noqa: E402
 import train_lora  # noqa: E402
 
 ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
@@ -96,7 +97,8 @@ class StepLog(TrainerCallback):
 
     def report(self) -> dict[str, Any]:
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
-                "syncs": [asdict(record) for record in self.transfer.records], "served_dtype": recipe.SERVE_DTYPE}
+                "syncs": [asdict(record) for record in self.transfer.records], "served_dtype": recipe.SERVE_DTYPE,
+                "rollouts": rollout_guard.read_ledger(rollout_guard.ledger_path(self.heartbeat_file))}
 
 
 class CrashingHub(LocalHub):
@@ -180,6 +182,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--weight-sync", default=os.environ.get("WEIGHT_SYNC", "merge_free"))
     parser.add_argument("--crash-after-checkpoint", type=int, default=0, metavar="N",
                         help="SIGKILL the rehearsal right after checkpoint-N is pushed (to rehearse resume)")
+    parser.add_argument("--faults", default="", metavar="LIST",
+                        help=f"fail the first rollouts, one per listed class: 'all' = {','.join(FAULTS)}")
     return parser.parse_args(argv)
 
 
@@ -203,9 +207,10 @@ def main(argv: list[str] | None = None) -> int:
         resumable = (train_lora.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
         (workdir / "sandboxes").mkdir(exist_ok=True)
+        faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
         factory = functools.partial(ScriptedAgentSessionFactory, capture_url, llm_url=vllm_url,
                                     model=recipe.SERVED_MODEL_NAME, agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS,
-                                    sandbox_root=str(workdir / "sandboxes"))
+                                    sandbox_root=str(workdir / "sandboxes"), faults=faults)
         transfer = InProcessWeightTransfer(server)
         log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), transfer,
                       resumable[-1] if resumable else None)
@@ -221,6 +226,9 @@ def main(argv: list[str] | None = None) -> int:
         server.stop()
     (workdir / "report.json").write_text(json.dumps(log.report(), indent=2))
     print_table(log.rows())
+    counts = log.report()["rollouts"] or {}
+    print(f"rehearse: rollouts {counts.get('rollouts')} finished, {counts.get('scored')} scored "
+          f"({counts.get('timed_out')} timed out), unscorable {counts.get('unscorable')}")
     print(f"rehearse: done in {time.monotonic() - started:.0f} s; report {workdir / 'report.json'}")
     bad = [record for record in transfer.records if record.mismatched]
     if bad:

@@ -28,6 +28,8 @@ import httpx
 from openenv.core.env_server.mcp_types import Tool
 from openenv.core.harness import ResourceSession, ResourceSessionFactory, ToolResult, TrainingTrace, VerifyResult
 
+import recipe
+
 SYSTEM_PROMPT = "You are a coding agent. Work in the current directory and write your final answer to answer.txt."
 WRITE_TOOL = {"type": "function", "function": {
     "name": "write", "description": "Write a file in the workspace.",
@@ -35,6 +37,16 @@ WRITE_TOOL = {"type": "function", "function": {
                    "required": ["path", "content"]}}}
 # Output cap the scripted agent asks for: keeps a CPU rollout to a second or two (OpenCode asks for 32000).
 AGENT_MAX_TOKENS = 12
+# Rollout-level failures the rehearsal can inject (README "Rollout failures"), each as it shows in production:
+#   create            the env server refuses the session (create() raises)
+#   sandbox           the sandbox never boots: no agent, no reward, exit code 1
+#   opencode_install  OpenCode fails to install: no model call, the verifier grades an untouched workspace (0)
+#   model_call        vLLM answers 400 (a prompt past its context) through the real proxy; the agent dies
+#   env_restart       the env server forgets the session mid-rollout (the proxy answers 401); the agent dies
+#   capture           the rollout ran, but its capture is gone when the trainer asks (the proxy answers 404)
+#   verifier          the verifier crashes and writes no reward
+#   timeout           the agent makes one call, then outlives its timeout (TRL trains that turn, timed out)
+FAULTS = ("create", "sandbox", "opencode_install", "model_call", "env_restart", "capture", "verifier", "timeout")
 
 
 def instruction_id(instruction: str) -> str:
@@ -77,12 +89,19 @@ def chat_streamed(client: httpx.Client, capture_url: str, session_id: str, messa
     return "".join(text)
 
 
-def run_agent(client: httpx.Client, capture_url: str, session_id: str, instruction: str, workdir: Path) -> None:
+def run_agent(client: httpx.Client, capture_url: str, session_id: str, instruction: str, workdir: Path,
+              fault: str = "", drafted: threading.Event | None = None) -> None:
     """Two model calls (draft, then final answer) with a file write in between, like a minimal coding agent."""
+    if fault == "model_call":  # a prompt past the served context: vLLM's 400, passed on by the proxy
+        instruction += " x" * recipe.MAX_MODEL_LEN
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                       {"role": "user", "content": instruction}]
     draft = chat_streamed(client, capture_url, session_id, messages)
     (workdir / "draft.txt").write_text(draft)
+    if drafted is not None:
+        drafted.set()
+    if fault == "env_restart":
+        httpx.delete(f"{capture_url}/sessions/{session_id}", timeout=30)
     messages += [{"role": "assistant", "content": draft},
                  {"role": "user", "content": f"draft.txt saved ({len(draft.encode())} bytes). Final answer?"}]
     (workdir / "answer.txt").write_text(chat_streamed(client, capture_url, session_id, messages))
@@ -92,7 +111,9 @@ class ScriptedAgentSession(ResourceSession):
     """One rollout: a capture session, a temp workspace, the scripted agent, the verifier's reward."""
 
     def __init__(self, *, capture_url: str, session_id: str, task: dict[str, Any], timeout_s: float,
-                 sandbox_root: str | None = None) -> None:
+                 sandbox_root: str | None = None, fault: str = "") -> None:
+        self.fault = fault
+        self._drafted = threading.Event()
         self.capture_url = capture_url
         self.session_id = session_id
         self.task = task
@@ -118,8 +139,13 @@ class ScriptedAgentSession(ResourceSession):
         The agent runs on its own daemon thread so that close() (TRL closes live sessions when it stops)
         returns this call at once instead of waiting for the agent's in-flight model call.
         """
+        if self.fault == "sandbox":
+            return 1
         agent = threading.Thread(target=self._run_agent, daemon=True)
         agent.start()
+        if self.fault == "timeout":
+            self._drafted.wait(timeout_s or self.timeout_s)
+            raise TimeoutError("agent did not finish within its timeout (injected)")
         if not self._ended.wait(timeout_s or self.timeout_s):
             raise TimeoutError(f"agent did not finish within {timeout_s or self.timeout_s:.0f} s")
         return 0 if self.reward is not None else 1
@@ -127,8 +153,14 @@ class ScriptedAgentSession(ResourceSession):
     def _run_agent(self) -> None:
         try:
             with self.client:
-                run_agent(self.client, self.capture_url, self.session_id, self.task["instruction"], self.workdir)
-            if not self.closed:
+                if self.fault != "opencode_install":
+                    run_agent(self.client, self.capture_url, self.session_id, self.task["instruction"],
+                              self.workdir, self.fault, self._drafted)
+                if self.fault == "timeout":
+                    self._ended.wait()  # hangs until the trainer closes it
+            if self.fault == "capture":
+                httpx.delete(f"{self.capture_url}/sessions/{self.session_id}", timeout=30)
+            if not self.closed and self.fault != "verifier":
                 self.reward = grade(self.workdir, self.task)
         except (httpx.HTTPError, RuntimeError, OSError):
             pass  # an agent that crashed leaves no answer: unscorable, like a failed sandbox
@@ -164,7 +196,10 @@ class ScriptedAgentSessionFactory(ResourceSessionFactory[ScriptedAgentSession]):
 
     def __init__(self, server_url: str, *, llm_url: str = "", model: str = "", num_tasks: int = 4,
                  agent_timeout_sec: float = 120.0, agent_step_limit: int = 0, sandbox_root: str | None = None,
-                 sampling: dict[str, Any] | None = None) -> None:
+                 sampling: dict[str, Any] | None = None, faults: tuple[str, ...] = ()) -> None:
+        self.faults = faults  # the n-th session this factory creates gets faults[n], if any (see FAULTS)
+        self._created = 0
+        self._lock = threading.Lock()
         self.server_url = server_url.rstrip("/")  # the capture proxy stands in for the env server
         self.sandbox_root = sandbox_root  # where workspaces go (a killed run leaves them there, not in /tmp)
         self.llm_url = llm_url
@@ -184,6 +219,11 @@ class ScriptedAgentSessionFactory(ResourceSessionFactory[ScriptedAgentSession]):
         found = self._by_instruction.get(instruction_id(instruction))
         if found is None:
             raise KeyError("this prompt does not match any task: build the dataset from prompt_rows()")
+        with self._lock:
+            fault = self.faults[self._created] if self._created < len(self.faults) else ""
+            self._created += 1
+        if fault == "create":
+            raise httpx.ConnectError("env server refused the session (injected)")
         payload: dict[str, Any] = {"purpose": "train" if self.sampling else "auto",
                                    "max_model_calls": self.agent_step_limit}
         if self.sampling:
@@ -193,4 +233,5 @@ class ScriptedAgentSessionFactory(ResourceSessionFactory[ScriptedAgentSession]):
         response = httpx.post(f"{self.server_url}/sessions", json=payload, timeout=120)
         response.raise_for_status()
         return ScriptedAgentSession(capture_url=self.server_url, session_id=response.json()["session_id"],
-                                    task=found, timeout_s=self.agent_timeout_sec, sandbox_root=self.sandbox_root)
+                                    task=found, timeout_s=self.agent_timeout_sec, sandbox_root=self.sandbox_root,
+                                    fault=fault)
