@@ -147,6 +147,11 @@ class GuardedSession:
         self._stopped_early = False  # closed while still running: the trainer is stopping, not a failure
         self._recorded = False
 
+    def __getattr__(self, name: str) -> Any:
+        if name == "inner":
+            raise AttributeError(name)
+        return getattr(self.inner, name)  # anything else the inner session offers (HarborSession.result, ...)
+
     def _fail(self, failure: str, error: str) -> RolloutFailure:
         if self.failure is None:
             self.failure, self.error = failure, error

@@ -51,7 +51,6 @@ from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 import recipe  # noqa: E402
-import rollout_guard  # noqa: E402
 import train_lora  # noqa: E402
 
 ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
@@ -98,7 +97,12 @@ class StepLog(TrainerCallback):
     def report(self) -> dict[str, Any]:
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
                 "syncs": [asdict(record) for record in self.transfer.records], "served_dtype": recipe.SERVE_DTYPE,
-                "rollouts": rollout_guard.read_ledger(rollout_guard.ledger_path(self.heartbeat_file))}
+                "rollouts": self.rollout_counts()}
+
+    def rollout_counts(self) -> dict[str, Any] | None:
+        """The rollout guard's counts, read where README says they are: rollouts.json next to the heartbeat."""
+        ledger = self.heartbeat_file.with_name("rollouts.json")
+        return json.loads(ledger.read_text()) if ledger.is_file() else None
 
 
 class CrashingHub(LocalHub):

@@ -41,7 +41,7 @@ AGENT_MAX_TOKENS = 12
 #   create            the env server refuses the session (create() raises)
 #   sandbox           the sandbox never boots: no agent, no reward, exit code 1
 #   opencode_install  OpenCode fails to install: no model call, the verifier grades an untouched workspace (0)
-#   model_call        vLLM answers 400 (a prompt past its context) through the real proxy; the agent dies
+#   model_call        vLLM answers 400 (a prompt past its context) through the real proxy: nothing is captured
 #   env_restart       the env server forgets the session mid-rollout (the proxy answers 401); the agent dies
 #   capture           the rollout ran, but its capture is gone when the trainer asks (the proxy answers 404)
 #   verifier          the verifier crashes and writes no reward
@@ -100,6 +100,8 @@ def run_agent(client: httpx.Client, capture_url: str, session_id: str, instructi
     (workdir / "draft.txt").write_text(draft)
     if drafted is not None:
         drafted.set()
+    if fault == "timeout":
+        threading.Event().wait()  # the agent hangs after its first call (a daemon thread, left to the process)
     if fault == "env_restart":
         httpx.delete(f"{capture_url}/sessions/{session_id}", timeout=30)
     messages += [{"role": "assistant", "content": draft},
@@ -120,6 +122,7 @@ class ScriptedAgentSession(ResourceSession):
         self.timeout_s = timeout_s
         self.workdir = Path(tempfile.mkdtemp(prefix="sandbox-", dir=sandbox_root))
         self.reward: float | None = None
+        self.finished = False  # the agent ran to its end (whatever the verifier then says)
         self.closed = False
         self.client = httpx.Client(timeout=timeout_s)
         self._ended = threading.Event()  # set when the agent finishes or the session is closed
@@ -134,7 +137,7 @@ class ScriptedAgentSession(ResourceSession):
         return ToolResult(error="the scripted agent owns its own tool loop")
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        """Run the agent and grade the workspace: 0 when graded, 1 (no reward) if the agent failed or was closed.
+        """Run the agent and grade the workspace: 0 when the agent finished, 1 if it failed or was closed.
 
         The agent runs on its own daemon thread so that close() (TRL closes live sessions when it stops)
         returns this call at once instead of waiting for the agent's in-flight model call.
@@ -145,10 +148,11 @@ class ScriptedAgentSession(ResourceSession):
         agent.start()
         if self.fault == "timeout":
             self._drafted.wait(timeout_s or self.timeout_s)
+            self.reward = grade(self.workdir, self.task)  # the verifier grades what the stopped agent left
             raise TimeoutError("agent did not finish within its timeout (injected)")
         if not self._ended.wait(timeout_s or self.timeout_s):
             raise TimeoutError(f"agent did not finish within {timeout_s or self.timeout_s:.0f} s")
-        return 0 if self.reward is not None else 1
+        return 0 if self.finished else 1
 
     def _run_agent(self) -> None:
         try:
@@ -156,11 +160,10 @@ class ScriptedAgentSession(ResourceSession):
                 if self.fault != "opencode_install":
                     run_agent(self.client, self.capture_url, self.session_id, self.task["instruction"],
                               self.workdir, self.fault, self._drafted)
-                if self.fault == "timeout":
-                    self._ended.wait()  # hangs until the trainer closes it
             if self.fault == "capture":
                 httpx.delete(f"{self.capture_url}/sessions/{self.session_id}", timeout=30)
-            if not self.closed and self.fault != "verifier":
+            self.finished = not self.closed
+            if self.finished and self.fault != "verifier":
                 self.reward = grade(self.workdir, self.task)
         except (httpx.HTTPError, RuntimeError, OSError):
             pass  # an agent that crashed leaves no answer: unscorable, like a failed sandbox
@@ -171,8 +174,9 @@ class ScriptedAgentSession(ResourceSession):
         """The proxy's validated capture of this rollout's agent calls (engine tokens, logprobs, masks).
 
         Empty once the session is closed (the trainer stopping mid-rollout): nothing captured survives.
-        A refusal by the proxy (409: the capture breaks the training contract) raises ValueError, which TRL
-        turns into a CaptureContractError that stops training, as it would for a Harbor session.
+        A refusal by the proxy (409: the capture breaks the training contract; 404: it lost the session) raises
+        ValueError, which bare TRL turns into a CaptureContractError that stops training; rollout_guard makes
+        it one unscorable rollout.
         """
         response = httpx.get(f"{self.capture_url}/sessions/{self.session_id}/trace_entries", timeout=60)
         if self.closed:
