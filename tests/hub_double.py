@@ -9,6 +9,9 @@ made by its own `hf_raise_for_status` from a real `httpx.Response` with the Hub'
 `tests/test_hub_contract.py` checks all of that against the installed huggingface_hub.
 
 Not modelled: history. `revision` is accepted, but every read sees the latest tree.
+
+`run_job` mirrors huggingface_hub 2.4.0's `HfApi.run_job` (launch.py runs on >= 2.1.1; `expose_public` does not
+exist in the 1.x installed here): its parameters are checked against `RUN_JOB_2_4_0` in the contract test.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import threading
 from pathlib import Path
 
 import httpx
-from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, DatasetInfo, ModelInfo
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, DatasetInfo, JobInfo, ModelInfo
 from huggingface_hub.hf_api import RepoUrl
 from huggingface_hub.utils import hf_raise_for_status
 
@@ -41,6 +44,7 @@ class LocalHub:
         self.fail_uploads = 0
         self.fail_status = 503
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths)
+        self.jobs: list[dict[str, object]] = []  # run_job's arguments, as given
         self._heads: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -166,3 +170,15 @@ class LocalHub:
             ops.append(CommitOperationAdd(path_in_repo=dest, path_or_fileobj=str(path)))
         return self.create_commit(repo_id, ops, commit_message=commit_message or "Upload folder",
                                   parent_commit=parent_commit)
+
+    # -- jobs ------------------------------------------------------------------
+    def run_job(self, *, image: str, command: list[str], env: dict[str, object] | None = None,
+                secrets: dict[str, object] | None = None, flavor: str | None = None,
+                timeout: int | float | str | None = None, name: str | None = None,
+                expose_public: list[int] | None = None, token: bool | str | None = None) -> JobInfo:
+        """Record the job (no Jobs here) and answer as the Jobs API does for a job that started."""
+        given = {"image": image, "command": command, "env": env, "secrets": secrets, "flavor": flavor,
+                 "timeout": timeout, "name": name, "expose_public": expose_public, "token": token}
+        self.jobs.append({k: v for k, v in given.items() if v is not None})
+        return JobInfo(id=f"68a{len(self.jobs):021d}", owner={"id": "u1", "name": "alice", "type": "user"},
+                       status={"stage": "RUNNING"}, endpoint=ENDPOINT)

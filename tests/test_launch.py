@@ -75,16 +75,7 @@ def bundle(tmp_path: Path) -> Path:
 
 
 class RecordingHub(LocalHub):
-    """LocalHub plus a recording `run_job` (HF Jobs cannot be reached from here)."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.jobs: list[dict] = []
-
-    def run_job(self, **kwargs: object) -> object:
-        self.jobs.append(kwargs)
-        job_id = f"68a{len(self.jobs):021d}"
-        return type("JobInfo", (), {"id": job_id, "url": f"https://huggingface.co/jobs/alice/{job_id}"})()
+    """LocalHub (whose `run_job` records each job) plus a way to seed adapters."""
 
     def seed_adapter(self, repo_id: str, folder: str = "") -> None:
         """Put an adapter's two files into `repo_id` (at the root = a finished run's final adapter; in a checkpoint
@@ -407,10 +398,7 @@ import huggingface_hub
 from huggingface_hub import CommitOperationAdd, HfApi, get_token, errors  # the client's own imports are fine
 from tests.hub_double import LocalHub
 huggingface_hub.__version__ = "2.4.0"
-class Hub(LocalHub):
-    def run_job(self, **kw):
-        return type("JobInfo", (), {{"id": "j1", "url": "https://huggingface.co/jobs/alice/j1"}})()
-hub = Hub(Path({str(tmp_path / 'hub')!r}))
+hub = LocalHub(Path({str(tmp_path / 'hub')!r}))
 hub.create_repo({ADAPTER!r})
 for name in ("adapter_model.safetensors", "adapter_config.json", {COMPLETE_MARKER!r}):
     hub.upload_file(path_or_fileobj=b"{{}}", path_in_repo="checkpoint-100/" + name, repo_id={ADAPTER!r})
