@@ -112,7 +112,8 @@ class LocalHub:
                             f"injected by LocalHub (HTTP {self.fail_status})", method="POST")
 
     def create_commit(self, repo_id: str, operations: list[CommitOperationAdd | CommitOperationDelete], *,
-                      commit_message: str, parent_commit: str | None = None) -> CommitInfo:
+                      commit_message: str, repo_type: str | None = None,
+                      parent_commit: str | None = None) -> CommitInfo:
         """Apply operations atomically; with `parent_commit`, refuse if the head moved (412, like the Hub)."""
         with self._lock:
             self._before_write(repo_id)
@@ -147,13 +148,14 @@ class LocalHub:
         return op.path_in_repo
 
     def upload_file(self, *, path_or_fileobj: str | Path | bytes, path_in_repo: str, repo_id: str,
-                    commit_message: str | None = None, parent_commit: str | None = None) -> CommitInfo:
+                    repo_type: str | None = None, commit_message: str | None = None,
+                    parent_commit: str | None = None) -> CommitInfo:
         op = CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=path_or_fileobj)
         return self.create_commit(repo_id, [op], commit_message=commit_message or f"Upload {path_in_repo}",
                                   parent_commit=parent_commit)
 
     def upload_folder(self, *, repo_id: str, folder_path: str | Path, path_in_repo: str | None = None,
-                      commit_message: str | None = None, parent_commit: str | None = None,
+                      repo_type: str | None = None, commit_message: str | None = None, parent_commit: str | None = None,
                       allow_patterns: list[str] | str | None = None,
                       ignore_patterns: list[str] | str | None = None) -> CommitInfo:
         folder = Path(folder_path)
