@@ -12,7 +12,8 @@ the base model under its own name and the adapter as a runtime-loaded LoRA.
 Results are rewritten atomically after every cell and pushed every recipe.EVAL_PUSH_EVERY cells, so
 a killed eval (or a fresh job) re-runs only cells without a result. An unscorable cell (the rollout
 did not run or was not graded: infrastructure, not a wrong answer) is kept apart and retried up to
-recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json in the adapter repo.
+recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json in the adapter repo
+(eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
 """
 
 from __future__ import annotations
@@ -32,51 +33,13 @@ from typing import Any, Protocol
 
 import httpx
 
+import adapter_repo
 import recipe
-
-EVAL_DIR = "eval"
-FINAL = "final"
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-
-
-# --- Checkpoints ---------------------------------------------------------------
-def checkpoint_complete(files: Iterable[str], checkpoint: str) -> bool:
-    """Whether `checkpoint`'s adapter has finished uploading: the one rule eval and the watcher use.
-
-    checkpoint-N/ follows the trainer's rule (train_lora.complete_checkpoints: its completion marker plus
-    the adapter, written last in one commit); the final adapter lands at the root in one commit at the end.
-    """
-    present = list(files)
-    if checkpoint == FINAL:
-        return set(ADAPTER_FILES) <= set(present)
-    from train_lora import CHECKPOINT_PREFIX, complete_checkpoints
-
-    step = checkpoint.removeprefix(CHECKPOINT_PREFIX)
-    return step.isdigit() and int(step) in complete_checkpoints(present)
-
-
-def adapter_folder(checkpoint: str) -> str:
-    """Folder in the repo holding `checkpoint`'s adapter: the root for the final adapter."""
-    return "" if checkpoint == FINAL else checkpoint
 
 
 def served_name(checkpoint: str) -> str:
     """Name vLLM serves `checkpoint`'s LoRA under; unique per checkpoint so no stale weights are reused."""
     return f"{recipe.ADAPTER_SERVED_NAME}-{checkpoint}"
-
-
-def download_adapter(api: Any, repo_id: str, checkpoint: str, dest: Path, revision: str | None = None) -> Path:
-    """Download only `checkpoint`'s adapter files into `dest`; refuse an incomplete upload."""
-    folder = adapter_folder(checkpoint)
-    if not checkpoint_complete(api.list_repo_files(repo_id, revision=revision), checkpoint):
-        raise recipe.ConfigError(
-            f"{repo_id} has no complete adapter for {checkpoint!r} ({folder or 'repo root'} lacks the adapter "
-            "or its completion marker): check CHECKPOINT, or wait for the upload to finish"
-        )
-    for name in ADAPTER_FILES:
-        path = f"{folder}/{name}" if folder else name
-        api.hf_hub_download(repo_id=repo_id, filename=path, local_dir=str(dest), revision=revision)
-    return dest / folder if folder else dest
 
 
 # --- vLLM's runtime LoRA endpoints ---------------------------------------------
@@ -491,75 +454,33 @@ def summarize(base: dict[str, float | None], adapter: dict[str, float | None]) -
 
 
 # --- Hub ---------------------------------------------------------------------------
-def read_repo_json(api: Any, repo_id: str, path: str, revision: str | None = None) -> dict[str, Any] | None:
-    """A JSON file from the repo at `revision`, or None if it is not there."""
-    if path not in api.list_repo_files(repo_id, revision=revision):
-        return None
-    with tempfile.TemporaryDirectory() as tmp:
-        local = api.hf_hub_download(repo_id=repo_id, filename=path, local_dir=tmp, revision=revision)
-        return json.loads(Path(local).read_text())
-
-
-def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str) -> str:
-    """Commit the files `build(head)` returns on top of `head`, re-reading and rebuilding if head moved.
-
-    `parent_commit` makes the Hub refuse a commit whose parent is no longer the head (HTTP 412), so two
-    writers can never overwrite each other's view: the loser rebuilds from the new head.
-    """
-    from huggingface_hub import CommitOperationAdd
-
-    last: Exception | None = None
-    for attempt in range(recipe.PUSH_RETRIES):
-        head = api.repo_info(repo_id).sha
-        files = build(head)
-        ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=data) for p, data in files.items()]
-        try:
-            return api.create_commit(repo_id, ops, commit_message=message, parent_commit=head).sha
-        except Exception as exc:  # noqa: BLE001 - 412 rebuilds at once, anything else backs off
-            last = exc
-            if not _head_moved(exc):
-                time.sleep(min(60.0, recipe.PUSH_BACKOFF_S * 2.0**attempt))
-    raise RuntimeError(f"could not commit {message!r} to {repo_id} after {recipe.PUSH_RETRIES} tries: {last}")
-
-
-def _head_moved(exc: Exception) -> bool:
-    """The Hub's answer to a commit whose parent is no longer the head: 412 Precondition Failed."""
-    status = getattr(getattr(exc, "response", None), "status_code", None)
-    return status == 412 or str(exc).startswith("412")
-
-
 def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile) -> None:
     """Push a results document, merging in cells another writer pushed meanwhile (nothing is lost)."""
 
     def build(head: str) -> dict[str, bytes]:
-        remote = read_repo_json(api, repo_id, path_in_repo, revision=head) or {}
+        remote = adapter_repo.read_json(api, repo_id, path_in_repo, revision=head) or {}
         return {path_in_repo: results.absorb(remote.get("cells", []))}
 
-    commit_cas(api, repo_id, build, f"eval: {path_in_repo}")
+    adapter_repo.commit_cas(api, repo_id, build, f"eval: {path_in_repo}")
 
 
 def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: dict[str, Any]) -> ResultsFile:
     """Open the local results, adopting cells (and completeness) already pushed to the repo (resume anywhere)."""
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
-    remote = read_repo_json(api, repo_id, path_in_repo) or {}
+    remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}
     merged = merge_cells(cells, remote.get("cells", []))
     results = ResultsFile(local, {**doc, "cells": merged, "complete": bool(remote.get("complete"))})
     write_json_atomic(local, results.doc)
     return results
 
 
-def results_name(checkpoint: str) -> str:
-    """final -> final_results.json; a standalone full eval of checkpoint-N gets its own file."""
-    return "final_results.json" if checkpoint == FINAL else f"{checkpoint}_full_results.json"
-
-
 # --- Entry point ---------------------------------------------------------------------
 def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, tasks: list[dict[str, Any]],
              lora: LoraServer, work: Path, concurrency: int = recipe.EVAL_CONCURRENCY) -> dict[str, Any]:
-    """Base vs `checkpoint` on `tasks`, resumable, pushed as eval/<results_name>; returns the document."""
+    """Base vs `checkpoint` on `tasks`, resumable, pushed to its full-eval file; returns the document."""
     revision = api.repo_info(repo_id).sha
-    adapter_dir = download_adapter(api, repo_id, checkpoint, work / "adapter", revision=revision)
-    path_in_repo = f"{EVAL_DIR}/{results_name(checkpoint)}"
+    adapter_dir = adapter_repo.download_adapter(api, repo_id, checkpoint, work / "adapter", revision=revision)
+    path_in_repo = adapter_repo.full_results_path(checkpoint)
     doc = {
         "schema": 1, "kind": "full", "base_model": recipe.BASE_MODEL, "adapter_repo": repo_id,
         "checkpoint": checkpoint, "adapter_revision": revision, "dataset": recipe.TEST_DATASET,
@@ -593,7 +514,8 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter-repo", default=os.environ.get("ADAPTER_REPO"))
-    parser.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT", FINAL), help="checkpoint-N or final")
+    parser.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT", adapter_repo.FINAL),
+                        help="checkpoint-N or final")
     parser.add_argument("--env-url", default=os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"))
     parser.add_argument("--vllm-url", default=os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"))
     parser.add_argument("--split", default=os.environ.get("EVAL_SPLIT", ""), help="env server split (test)")
@@ -602,7 +524,7 @@ def main() -> None:
                                                                                recipe.EVAL_CONCURRENCY)))
     args = parser.parse_args()
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
-    if args.checkpoint != FINAL and not args.checkpoint.startswith("checkpoint-"):
+    if not adapter_repo.is_checkpoint(args.checkpoint):
         raise recipe.ConfigError(f"CHECKPOINT={args.checkpoint!r}: use 'final' or 'checkpoint-N'")
     eval_sampling()
     from huggingface_hub import HfApi
@@ -621,5 +543,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except recipe.ConfigError as exc:  # bad input: one line that says what to fix, no traceback
+    except (recipe.ConfigError, adapter_repo.PushError) as exc:  # one line that says what to fix, no traceback
         raise SystemExit(f"eval_adapter: {exc}") from None

@@ -5,10 +5,11 @@
 Polls ADAPTER_REPO. Each time a checkpoint-N/ is complete (train_lora's completion rule), it is
 hot-loaded into the running vLLM as a LoRA (`/v1/load_lora_adapter`, no restart), evaluated on a
 fixed N_TASKS-task subset of the test split (chosen once, deterministically, and recorded), then
-unloaded. Per checkpoint it commits eval/checkpoint-N_results.json, and after each one a rolling
-eval/summary.json and eval/learning_curve.png recounted from all per-checkpoint files.
+unloaded. Per checkpoint it commits eval/watch/checkpoint-N.json (eval/watch/final.json for the final
+adapter: never the full eval's eval/final_results.json), and after each one a rolling eval/summary.json and
+eval/learning_curve.png recounted from its own per-checkpoint files (adapter_repo.py owns these names).
 
-Base-model cells are computed once and stored in the repo (eval/base_results.json), so a restarted
+Base-model cells are computed once and stored in the repo (eval/watch/base.json), so a restarted
 watcher reuses them. Restart-safe: finished checkpoints are skipped, a half-done one resumes from its
 pushed cells, and every commit is a compare-and-swap on the repo head, so two watchers on one repo
 merge their cells instead of overwriting each other. Stops after evaluating the final adapter (repo
@@ -23,27 +24,35 @@ import json
 import logging
 import os
 import random
-import re
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import recipe
-from eval_adapter import (
-    EVAL_DIR,
+from adapter_repo import (
+    CURVE_PATH,
     FINAL,
+    SUMMARY_PATH,
+    WATCH_BASE_PATH,
+    PushError,
+    checkpoint_complete,
+    checkpoint_name,
+    commit_cas,
+    complete_checkpoints,
+    download_adapter,
+    read_json,
+    watch_results_path,
+    watched_checkpoints,
+)
+from eval_adapter import (
     HarborEvalFactory,
     LoraServer,
     ResultsFile,
     SessionFactory,
-    checkpoint_complete,
-    commit_cas,
-    download_adapter,
     eval_sampling,
     pull_results,
     push_results,
-    read_repo_json,
     rewards,
     run_cells,
     served_name,
@@ -53,22 +62,13 @@ from eval_adapter import (
 
 logger = logging.getLogger("eval_watch")
 
-BASE_PATH = f"{EVAL_DIR}/base_results.json"
-SUMMARY_PATH = f"{EVAL_DIR}/summary.json"
-CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
 CURVE_INCHES = (8.0, 4.5)
 CURVE_DPI = 100  # => an 800 x 450 px image
-_CHECKPOINT_DIR = re.compile(r"^(checkpoint-(\d+))/")
-
-
-def results_path(checkpoint: str) -> str:
-    return f"{EVAL_DIR}/{checkpoint}_results.json"
 
 
 def discover(files: list[str]) -> list[tuple[int, str]]:
     """Complete checkpoints as (step, name), in step order; half-uploaded ones are left for a later poll."""
-    names = {(int(m.group(2)), m.group(1)) for f in files if (m := _CHECKPOINT_DIR.match(f))}
-    return sorted((step, name) for step, name in names if checkpoint_complete(files, name))
+    return [(step, checkpoint_name(step)) for step in complete_checkpoints(files)]
 
 
 def choose_subset(n_total: int, n: int, seed: int = recipe.EVAL_SEED) -> list[int]:
@@ -151,10 +151,10 @@ class Watcher:
     # -- the subset and the base cells ------------------------------------------------------
     def subset_tasks(self) -> list[dict[str, Any]]:
         """The recorded subset if the repo has one (a restart must not change it), else a fresh seeded one."""
-        stored = read_repo_json(self.api, self.repo_id, BASE_PATH) or {}
+        stored = read_json(self.api, self.repo_id, WATCH_BASE_PATH) or {}
         subset = stored.get("subset") or choose_subset(len(self.tasks), self.n_tasks)
         if len(subset) != self.n_tasks:
-            raise recipe.ConfigError(f"{BASE_PATH} in {self.repo_id} records {len(subset)} tasks but N_TASKS="
+            raise recipe.ConfigError(f"{WATCH_BASE_PATH} in {self.repo_id} records {len(subset)} tasks but N_TASKS="
                                      f"{self.n_tasks}: use N_TASKS={len(subset)} or a new adapter repo")
         by_index = {int(t["index"]): t for t in self.tasks}
         return [by_index[i] for i in subset]
@@ -182,15 +182,15 @@ class Watcher:
         doc = {"schema": 1, "kind": "watch-base", "base_model": recipe.BASE_MODEL,
                "subset": [t["index"] for t in tasks], "complete": False,
                "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS}}
-        results = self._results(BASE_PATH, doc)
+        results = self._results(WATCH_BASE_PATH, doc)
         if not results.doc.get("complete"):
             logger.info("evaluating the base model on %d tasks", len(tasks))
-            self._run(results, BASE_PATH, "base", recipe.SERVED_MODEL_NAME, tasks)
+            self._run(results, WATCH_BASE_PATH, "base", recipe.SERVED_MODEL_NAME, tasks)
 
     # -- one checkpoint ------------------------------------------------------------------------
     def evaluate(self, name: str, step: int, revision: str, tasks: list[dict[str, Any]]) -> None:
         """Hot-load `name`, evaluate the cells it still lacks, unload it, commit its results."""
-        path_in_repo = results_path(name)
+        path_in_repo = watch_results_path(name)
         doc = {"schema": 1, "kind": "watch", "checkpoint": name, "step": step, "adapter_revision": revision,
                "subset": [t["index"] for t in tasks], "complete": False}
         results = self._results(path_in_repo, doc)
@@ -211,12 +211,9 @@ class Watcher:
 
         def build(head: str) -> dict[str, bytes]:
             files = self.api.list_repo_files(self.repo_id, revision=head)
-            base_doc = read_repo_json(self.api, self.repo_id, BASE_PATH, revision=head) or {}
-            docs = {}
-            for path in files:
-                m = re.fullmatch(rf"{EVAL_DIR}/(checkpoint-\d+|{FINAL})_results\.json", path)
-                if m:
-                    docs[m.group(1)] = read_repo_json(self.api, self.repo_id, path, revision=head)
+            base_doc = read_json(self.api, self.repo_id, WATCH_BASE_PATH, revision=head) or {}
+            docs = {name: read_json(self.api, self.repo_id, path, revision=head)
+                    for name, path in watched_checkpoints(files).items()}
             out["summary"] = build_summary(base_doc, docs)
             return {SUMMARY_PATH: json.dumps(out["summary"], indent=1, sort_keys=True).encode(),
                     CURVE_PATH: learning_curve_png(out["summary"])}
@@ -234,8 +231,8 @@ class Watcher:
             found.append((found[-1][0] if found else 0, FINAL))
         todo, final_done = [], False
         for step, name in found:
-            path = results_path(name)
-            doc = read_repo_json(self.api, self.repo_id, path, revision=head) if path in files else None
+            path = watch_results_path(name)
+            doc = read_json(self.api, self.repo_id, path, revision=head) if path in files else None
             if doc and doc.get("complete"):
                 final_done |= name == FINAL
             else:
@@ -316,5 +313,5 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
-    except recipe.ConfigError as exc:  # bad input: one line that says what to fix, no traceback
+    except (recipe.ConfigError, PushError) as exc:  # one line that says what to fix, no traceback
         raise SystemExit(f"eval_watch: {exc}") from None

@@ -15,27 +15,24 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shutil
 import sys
 import tempfile
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import eval_adapter
+import adapter_repo
 import recipe
 
 LICENSE_LINK = f"https://huggingface.co/{recipe.BASE_MODEL}/blob/main/LICENSE"
 TAGS = ["lora", "peft", "grpo", "trl", "reinforcement-learning", "agent", "opencode", "lfm2"]
-_CHECKPOINT = re.compile(r"^(final|checkpoint-[1-9][0-9]*)$")
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
 def checked_args(args: argparse.Namespace) -> None:
     """Names well-formed before anything is downloaded, merged or pushed."""
-    if not _CHECKPOINT.match(args.checkpoint):
+    if not adapter_repo.is_checkpoint(args.checkpoint):
         raise recipe.ConfigError(f"CHECKPOINT={args.checkpoint!r} is not a checkpoint name: use 'final' or "
                                  "e.g. 'checkpoint-300'")
     if not args.source:
@@ -53,20 +50,20 @@ def merged_repo(args: argparse.Namespace) -> str:
 
 def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[str, Any] | None]:
     """The adapter folder and the eval results document for `args.checkpoint` (None when there are none)."""
-    results_path = f"{eval_adapter.EVAL_DIR}/{eval_adapter.results_name(args.checkpoint)}"
-    folder = eval_adapter.adapter_folder(args.checkpoint)
+    results_path = adapter_repo.full_results_path(args.checkpoint)
+    folder = adapter_repo.adapter_folder(args.checkpoint)
     source = Path(args.source)
     if source.is_dir():
         adapter = source / folder if folder else source
         files = [p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()]
-        if not eval_adapter.checkpoint_complete(files, args.checkpoint):
+        if not adapter_repo.checkpoint_complete(files, args.checkpoint):
             raise recipe.ConfigError(f"{adapter} has no complete adapter for {args.checkpoint!r} (needs "
-                                     f"{' + '.join(eval_adapter.ADAPTER_FILES)}, and a checkpoint its completion "
+                                     f"{' + '.join(adapter_repo.ADAPTER_FILES)}, and a checkpoint its completion "
                                      "marker): point --source at the training output or a full download of its repo")
         local = source / results_path
         return adapter, json.loads(local.read_text()) if local.is_file() else None
-    adapter = eval_adapter.download_adapter(api, args.source, args.checkpoint, dest)
-    return adapter, eval_adapter.read_repo_json(api, args.source, results_path)
+    adapter = adapter_repo.download_adapter(api, args.source, args.checkpoint, dest)
+    return adapter, adapter_repo.read_json(api, args.source, results_path)
 
 
 def checked_adapter(adapter: Path) -> dict[str, Any]:
@@ -234,7 +231,7 @@ def write_adapter(adapter: Path, out: Path, card: str, results: dict[str, Any] |
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / "README.md").write_text(card)
     if results:
-        path = out / eval_adapter.EVAL_DIR / eval_adapter.results_name(checkpoint)
+        path = out / adapter_repo.full_results_path(checkpoint)
         path.parent.mkdir(exist_ok=True)
         path.write_text(json.dumps(results, indent=1) + "\n")
 
@@ -255,11 +252,9 @@ def write_merged(base_model: str, adapter: Path, out: Path, card: str, dtype: st
 
 
 def push(api: Any, repo_id: str, folder: Path, private: bool) -> None:
-    """Create the repo and upload `folder` as one commit, with the trainer's retry and backoff."""
-    from train_lora import push_folder
-
+    """Create the repo and upload `folder` as one commit, with the adapter repo's retry policy."""
     api.create_repo(repo_id, private=private, exist_ok=True)
-    push_folder(api, repo_id, folder, "", sleep=time.sleep)
+    adapter_repo.push_folder(api, repo_id, folder, "")
     print(f"pushed {folder.name} to https://huggingface.co/{repo_id}")
 
 
@@ -290,7 +285,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default=env.get("ADAPTER_REPO"),
                         help="training repo id or local folder (env ADAPTER_REPO)")
-    parser.add_argument("--checkpoint", default=env.get("CHECKPOINT", eval_adapter.FINAL),
+    parser.add_argument("--checkpoint", default=env.get("CHECKPOINT", adapter_repo.FINAL),
                         help="final or checkpoint-N (env CHECKPOINT, default final)")
     parser.add_argument("--target", default=env.get("TARGET_REPO"), help="repo to publish to (env TARGET_REPO)")
     parser.add_argument("--merged", action="store_true", help="also merge into the base and publish a full model")
@@ -325,8 +320,6 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
     except recipe.ConfigError as err:
         print(f"export_adapter.py: {err}", file=sys.stderr)
         return 2
-    from train_lora import PushError
-
     work = Path(tempfile.mkdtemp(prefix="export-adapter-"))
     try:
         out = export(args, api, work)
@@ -334,7 +327,7 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
         shutil.rmtree(work)
         print(f"export_adapter.py: {err}", file=sys.stderr)
         return 2
-    except PushError as err:  # the written card and (merged) weights stay on disk: nothing is lost
+    except adapter_repo.PushError as err:  # the written card and (merged) weights stay on disk: nothing is lost
         print(f"export_adapter.py: {err}; everything is kept in {work / 'out'}: upload it with "
               f"`hf upload {args.target} {work / 'out' / 'adapter'}`", file=sys.stderr)
         return 1

@@ -29,6 +29,15 @@ from pathlib import Path
 from typing import Any
 
 import recipe
+from adapter_repo import (
+    FINAL,
+    PushError,
+    checkpoint_complete,
+    checkpoint_name,
+    commit,
+    complete_checkpoints,
+    is_checkpoint,
+)
 
 HERE = Path(__file__).resolve().parent
 PROJECT = "lfm-opencode-lora-rl"
@@ -39,16 +48,13 @@ APP_DIR = "/app"
 # tests/, benchmarks/, .venv or caches (the globs are not recursive).
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
-COMMON_FILES = ("recipe.py", "common.sh", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
+COMMON_FILES = ("recipe.py", "common.sh", "requirements.txt", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
                 "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py")
 # Backends other than the default (recipe.SANDBOX, HF Sandboxes under HF_TOKEN), and the secret each needs.
 SANDBOX_KEYS = {"daytona": "DAYTONA_API_KEY", "e2b": "E2B_API_KEY"}
-# PEFT's adapter files (as eval_adapter.ADAPTER_FILES; not imported: it needs httpx, which hub 2.x dropped).
-ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 REDACTED = "<redacted>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
 _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
-_CHECKPOINT = re.compile(r"^(final|checkpoint-[1-9][0-9]*)$")
 
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
@@ -134,13 +140,12 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
         files = set(api.list_repo_files(adapter_repo))
     except RepositoryNotFoundError:
         files = set()
-    if mode == "train" and set(ADAPTER_FILES) <= files:
+    if mode == "train" and checkpoint_complete(files, FINAL):
         raise recipe.ConfigError(f"{adapter_repo} already holds a final adapter (a finished run; the eval watcher "
                                  "would stop at it): use a new ADAPTER_REPO, or delete that repo first")
-    folder = "" if checkpoint == "final" else f"{checkpoint}/"
-    if mode == "eval" and not {folder + name for name in ADAPTER_FILES} <= files:
-        steps = sorted({int(m[1]) for f in files if (m := re.match(r"checkpoint-(\d+)/", f))})
-        have = ", ".join(f"checkpoint-{n}" for n in steps[-5:]) or "no checkpoints yet"
+    if mode == "eval" and not checkpoint_complete(files, checkpoint):
+        steps = complete_checkpoints(files)
+        have = ", ".join(checkpoint_name(n) for n in steps[-5:]) or "no complete checkpoints yet"
         raise recipe.ConfigError(f"{adapter_repo} has no {checkpoint!r} adapter: pick one it has ({have}) "
                                  "with --checkpoint")
 
@@ -158,7 +163,7 @@ def checked_count(value: str | int, var: str, upper: int, why: str) -> int:
 
 def checked_checkpoint(value: str) -> str:
     """'final' or 'checkpoint-N', the folder names the trainer pushes."""
-    if not _CHECKPOINT.match(value):
+    if not is_checkpoint(value):
         raise recipe.ConfigError(f"CHECKPOINT={value!r} is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'")
     return value
 
@@ -233,13 +238,15 @@ def follow_lines(job: Any) -> list[str]:
 
 # --- upload + launch -------------------------------------------------------------------------------------
 def upload_bundle(api: Any, code_repo: str, bundle: Path, files: list[str]) -> str:
-    """Commit exactly `files` to the (private) code repo in one commit; return the commit sha the job pins."""
+    """Commit exactly `files` to the (private) code repo in one commit; return that commit's id for the job to pin.
+
+    The id is the commit's own (`CommitInfo.oid`), not the head read afterwards: another launch may commit between.
+    """
     from huggingface_hub import CommitOperationAdd
 
     api.create_repo(code_repo, private=True, exist_ok=True)
     ops = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(bundle / name)) for name in files]
-    api.create_commit(code_repo, ops, commit_message=f"{PROJECT} code bundle (launch.py)")
-    return api.repo_info(code_repo).sha
+    return commit(api, code_repo, ops, f"{PROJECT} code bundle (launch.py)")
 
 
 def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespace:
@@ -320,6 +327,9 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
     except recipe.ConfigError as err:
         print(f"launch.py: {err}", file=sys.stderr)
         return 2
+    except PushError as err:  # the bundle did not land: no job was started
+        print(f"launch.py: {err}", file=sys.stderr)
+        return 1
     if args.dry_run:
         print(json.dumps(done, indent=2))
         return 0

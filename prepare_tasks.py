@@ -54,6 +54,7 @@ from typing import Any
 import tomli_w
 
 import recipe
+from adapter_repo import describe
 from recipe import ConfigError
 
 HERE = Path(__file__).resolve().parent
@@ -192,7 +193,7 @@ def download(api: Any, split: str, dest: Path, patterns: list[str]) -> Path:
         api.snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
                               allow_patterns=patterns)
     except Exception as exc:  # network, auth, missing revision: one line, then stop
-        raise ConfigError(f"download of {repo_id}@{revision} failed ({type(exc).__name__}: {exc}): "
+        raise ConfigError(f"download of {repo_id}@{revision} failed ({describe(exc)}): "
                           "check the network and HF_TOKEN, or pass a local snapshot") from None
     return dest
 

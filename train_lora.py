@@ -33,6 +33,7 @@ from urllib.parse import urlparse
 from peft import LoraConfig
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
+import adapter_repo
 import recipe
 
 if TYPE_CHECKING:
@@ -44,13 +45,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger("train_lora")
 
 DEVICES = ("cuda", "cpu")
-# A checkpoint-N/ folder in the adapter repo is complete only when this file is in it. It is the last file
-# of the single commit that uploads the folder, so resume and the eval watcher never load a partial one.
-COMPLETE_MARKER = "checkpoint_complete.json"
-CHECKPOINT_PREFIX = "checkpoint-"
-# What the final adapter at the repo root consists of (training state stays in the checkpoints).
-# README.md is left to export_adapter.py, which writes the model card.
-FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json", "rollout_state.json", "README.md")
 
 
 # --- Configuration -------------------------------------------------------------------------------------------------
@@ -389,83 +383,14 @@ def rollout_worker(
 
 
 # --- Checkpoint push, resume, heartbeat ------------------------------------------------------------------------------
-class PushError(RuntimeError):
-    """A push to the adapter repo failed after every retry."""
-
-
-def push_folder(
-    api: Any,
-    repo_id: str,
-    folder: Path,
-    path_in_repo: str,
-    *,
-    ignore: tuple[str, ...] = (),
-    marker: bool = False,
-    retries: int = recipe.PUSH_RETRIES,
-    backoff_s: float = recipe.PUSH_BACKOFF_S,
-    sleep: Callable[[float], None] = time.sleep,
-) -> list[str]:
-    """Upload `folder` as one commit (so it lands whole or not at all), retrying with backoff.
-
-    With `marker`, the commit also writes COMPLETE_MARKER listing every file and its size. Returns the
-    repo paths written; raises PushError after `retries` failed attempts.
-    """
-    from huggingface_hub import CommitOperationAdd
-
-    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(p.match(g) for g in ignore))
-    prefix = f"{path_in_repo.strip('/')}/" if path_in_repo.strip("/") else ""
-    ops = [CommitOperationAdd(f"{prefix}{p.relative_to(folder).as_posix()}", str(p)) for p in files]
-    if marker:
-        listing = {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
-        ops.append(CommitOperationAdd(f"{prefix}{COMPLETE_MARKER}", json.dumps({"files": listing}).encode()))
-    message = f"Upload {path_in_repo.strip('/') or 'final adapter'}"
-    attempt = 1
-    while True:
-        try:
-            api.create_commit(repo_id, ops, commit_message=message)
-            logger.info("pushed %s to %s (%d files)", path_in_repo or "/", repo_id, len(ops))
-            return [op.path_in_repo for op in ops]
-        except Exception as error:  # noqa: BLE001 - any failure is retried, then reported
-            if attempt >= retries:
-                raise PushError(
-                    f"push of {folder} to {repo_id}/{path_in_repo} failed {attempt} times, last error: {error}"
-                ) from error
-            wait = backoff_s * 2 ** (attempt - 1)
-            logger.warning("push attempt %d/%d failed (%s); retrying in %.0fs", attempt, retries, error, wait)
-            sleep(wait)
-            attempt += 1
-
-
-def complete_checkpoints(repo_files: list[str]) -> list[int]:
-    """Steps N whose checkpoint-N/ holds the completion marker and the adapter, oldest first."""
-    present = set(repo_files)
-    steps = []
-    for path in present:
-        folder, _, name = path.partition("/")
-        if name != COMPLETE_MARKER or not folder.startswith(CHECKPOINT_PREFIX):
-            continue
-        step = folder.removeprefix(CHECKPOINT_PREFIX)
-        if step.isdigit() and {f"{folder}/adapter_model.safetensors", f"{folder}/adapter_config.json"} <= present:
-            steps.append(int(step))
-    return sorted(steps)
-
-
 def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
     """Download the newest complete checkpoint from the adapter repo into `output_dir`, or None if there is none."""
-    steps = complete_checkpoints(api.list_repo_files(repo_id))
+    steps = adapter_repo.complete_checkpoints(api.list_repo_files(repo_id))
     if not steps:
         logger.info("no complete checkpoint in %s: training from step 0", repo_id)
         return None
-    folder = f"{CHECKPOINT_PREFIX}{steps[-1]}"
-    api.snapshot_download(repo_id, local_dir=output_dir, allow_patterns=[f"{folder}/*"])
-    local = Path(output_dir) / folder
-    listing = json.loads((local / COMPLETE_MARKER).read_text())["files"]
-    wrong = [
-        name for name, size in listing.items() if not (local / name).is_file() or (local / name).stat().st_size != size
-    ]
-    if wrong:
-        raise PushError(f"downloaded {repo_id}/{folder} does not match its marker ({', '.join(wrong[:3])}): rerun")
-    logger.info("resuming from %s/%s", repo_id, folder)
+    local = adapter_repo.download_checkpoint(api, repo_id, steps[-1], Path(output_dir))
+    logger.info("resuming from %s/%s", repo_id, local.name)
     return local
 
 
@@ -478,8 +403,9 @@ class CheckpointPusher(TrainerCallback):
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         if not state.is_world_process_zero:
             return
-        folder = f"{CHECKPOINT_PREFIX}{state.global_step}"
-        push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True, **self.push_kwargs)
+        folder = adapter_repo.checkpoint_name(state.global_step)
+        adapter_repo.push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True,
+                                 **self.push_kwargs)
 
 
 class Heartbeat(TrainerCallback):
@@ -568,7 +494,7 @@ def train(
     trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
     final_dir = Path(settings.output_dir) / "final"
     trainer.save_model(str(final_dir))
-    push_folder(api, settings.adapter_repo, final_dir, "", ignore=FINAL_ADAPTER_IGNORE)
+    adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
 
 
 def resolved_config(settings: Settings) -> dict[str, Any]:
@@ -620,6 +546,9 @@ def main(argv: list[str] | None = None) -> int:
     except recipe.ConfigError as error:
         print(f"train_lora.py: error: {error}", file=sys.stderr)
         return 2
+    except adapter_repo.PushError as error:  # already one line; the job relaunch resumes from the last checkpoint
+        print(f"train_lora.py: error: {error}", file=sys.stderr)
+        return 1
     except Exception:
         stopped = systematic_stop(settings, started)
         if not stopped:

@@ -1,45 +1,50 @@
 """A local stand-in for the subset of `huggingface_hub.HfApi` the bundle uses.
 
-The Hub cannot be reached from the test machines. Production code takes an `api`
-object (an `HfApi` in production); tests pass a `LocalHub`, which keeps each repo
-as a folder plus a commit counter, so uploads, listings, downloads and
-compare-and-swap commits behave as they would on the Hub.
+The Hub cannot be reached from the test machines. Production code takes an `api` object (an `HfApi` in
+production); tests pass a `LocalHub`, which keeps each repo as a folder plus a head commit id. It speaks the
+real client's language: each method takes a subset of the installed `HfApi` method's parameters (same names,
+kinds and defaults, no `**kwargs`: a call the real client refuses fails here too), returns the real types
+(`CommitInfo`, `ModelInfo`/`DatasetInfo`, `RepoUrl`), and fails with the exceptions the real client raises,
+made by its own `hf_raise_for_status` from a real `httpx.Response` with the Hub's status and error code.
+`tests/test_hub_contract.py` checks all of that against the installed huggingface_hub.
+
+Not modelled: history. `revision` is accepted, but every read sees the latest tree.
+
+`run_job` mirrors huggingface_hub 2.4.0's `HfApi.run_job` (launch.py runs on >= 2.1.1; `expose_public` does not
+exist in the 1.x installed here): its parameters are checked against `RUN_JOB_2_4_0` in the contract test.
 """
 
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import shutil
 import threading
-from dataclasses import dataclass
 from pathlib import Path
 
 import httpx
-from huggingface_hub import CommitOperationAdd, CommitOperationDelete
-from huggingface_hub.errors import HfHubHTTPError, RepositoryNotFoundError
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, DatasetInfo, JobInfo, ModelInfo
+from huggingface_hub.hf_api import RepoUrl
+from huggingface_hub.utils import hf_raise_for_status
+
+ENDPOINT = "https://huggingface.co"
 
 
-def http_error(cls: type[HfHubHTTPError], status: int, message: str) -> HfHubHTTPError:
-    """A real huggingface_hub HTTP error carrying a response with `status`, as the Hub client raises."""
-    request = httpx.Request("POST", "https://huggingface.co/api/local-hub")
-    return cls(message, response=httpx.Response(status, request=request))
-
-
-@dataclass
-class RepoInfo:
-    """What `HfApi.repo_info` returns that the bundle reads."""
-
-    id: str
-    sha: str
+def raise_hub_error(status: int, url: str, message: str, error_code: str | None = None, method: str = "GET") -> None:
+    """Raise what the real client raises when the Hub answers `url` with `status` (and `X-Error-Code`)."""
+    headers = {"X-Error-Message": message, **({"X-Error-Code": error_code} if error_code else {})}
+    hf_raise_for_status(httpx.Response(status, headers=headers, request=httpx.Request(method, url)))
 
 
 class LocalHub:
-    """Repos as folders under `root`; `fail_uploads` makes the next N uploads raise."""
+    """Repos as folders under `root`; `fail_uploads` makes the next N writes fail with HTTP `fail_status`."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.fail_uploads = 0
+        self.fail_status = 503
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths)
+        self.jobs: list[dict[str, object]] = []  # run_job's arguments, as given
         self._heads: dict[str, int] = {}
         self._lock = threading.Lock()
 
@@ -47,98 +52,112 @@ class LocalHub:
     def _repo(self, repo_id: str) -> Path:
         path = self.root / repo_id
         if not path.is_dir():
-            raise http_error(RepositoryNotFoundError, 404, f"404: repo {repo_id} not found")
+            raise_hub_error(404, f"{ENDPOINT}/api/models/{repo_id}", "Repository not found", "RepoNotFound")
         return path
 
-    def create_repo(self, repo_id: str, *, repo_type: str | None = None, private: bool | None = None,
-                    exist_ok: bool = False, **_: object) -> str:
+    def create_repo(self, repo_id: str, *, private: bool | None = None, repo_type: str | None = None,
+                    exist_ok: bool = False) -> RepoUrl:
         path = self.root / repo_id
         if path.exists() and not exist_ok:
-            raise http_error(HfHubHTTPError, 409, f"409: repo {repo_id} already exists")
+            raise_hub_error(409, f"{ENDPOINT}/api/repos/create", "You already created this model repo", method="POST")
         path.mkdir(parents=True, exist_ok=True)
         self._heads.setdefault(repo_id, 0)
-        return f"https://huggingface.co/{repo_id}"
+        prefix = "datasets/" if repo_type == "dataset" else ""
+        return RepoUrl(f"{ENDPOINT}/{prefix}{repo_id}")
 
-    def repo_info(self, repo_id: str, **_: object) -> RepoInfo:
+    def repo_info(self, repo_id: str, *, revision: str | None = None,
+                  repo_type: str | None = None) -> ModelInfo | DatasetInfo:
         self._repo(repo_id)
-        return RepoInfo(id=repo_id, sha=self._sha(repo_id))
+        info = DatasetInfo if repo_type == "dataset" else ModelInfo
+        return info(id=repo_id, sha=self.head(repo_id), private=True)
 
-    def _sha(self, repo_id: str) -> str:
-        return f"{self._heads.get(repo_id, 0):040x}"
+    def head(self, repo_id: str) -> str:
+        """The repo's head commit id: a 40-hex id that changes with every commit."""
+        return hashlib.sha1(f"{repo_id}@{self._heads.get(repo_id, 0)}".encode()).hexdigest()
 
     # -- reads -----------------------------------------------------------------
-    def list_repo_files(self, repo_id: str, *, revision: str | None = None, **_: object) -> list[str]:
+    def list_repo_files(self, repo_id: str, *, revision: str | None = None, repo_type: str | None = None) -> list[str]:
         repo = self._repo(repo_id)
         return sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
 
-    def file_exists(self, repo_id: str, filename: str, **_: object) -> bool:
+    def file_exists(self, repo_id: str, filename: str, *, repo_type: str | None = None,
+                    revision: str | None = None) -> bool:
         return (self._repo(repo_id) / filename).is_file()
 
-    def hf_hub_download(self, repo_id: str, filename: str, *, local_dir: str | Path | None = None,
-                        revision: str | None = None, **_: object) -> str:
+    def hf_hub_download(self, repo_id: str, filename: str, *, repo_type: str | None = None,
+                        revision: str | None = None, local_dir: str | Path | None = None) -> str:
         src = self._repo(repo_id) / filename
         if not src.is_file():
-            raise http_error(HfHubHTTPError, 404, f"404: {filename} not in {repo_id}")
+            raise_hub_error(404, f"{ENDPOINT}/{repo_id}/resolve/{revision or 'main'}/{filename}", "Entry not found",
+                            "EntryNotFound", method="HEAD")
         dest = Path(local_dir) / filename if local_dir else self.root / ".cache" / repo_id / filename
         dest.parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(src, dest)
         return str(dest)
 
-    def snapshot_download(self, repo_id: str, *, local_dir: str | Path, allow_patterns: list[str] | str | None = None,
-                          revision: str | None = None, **_: object) -> str:
+    def snapshot_download(self, repo_id: str, *, repo_type: str | None = None, revision: str | None = None,
+                          local_dir: str | Path | None = None, allow_patterns: list[str] | str | None = None) -> str:
         patterns = [allow_patterns] if isinstance(allow_patterns, str) else allow_patterns
+        dest = Path(local_dir) if local_dir else self.root / ".cache" / repo_id
         for name in self.list_repo_files(repo_id):
             if patterns is None or any(fnmatch.fnmatch(name, p) for p in patterns):
-                self.hf_hub_download(repo_id, name, local_dir=local_dir)
-        return str(local_dir)
+                self.hf_hub_download(repo_id, name, local_dir=dest)
+        return str(dest)
 
     # -- writes ----------------------------------------------------------------
-    def _before_write(self) -> None:
+    def _before_write(self, repo_id: str) -> None:
         if self.fail_uploads > 0:
             self.fail_uploads -= 1
-            raise http_error(HfHubHTTPError, 503, "503: Service Unavailable (injected by LocalHub)")
+            raise_hub_error(self.fail_status, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
+                            f"injected by LocalHub (HTTP {self.fail_status})", method="POST")
 
-    def create_commit(self, repo_id: str, operations: list[object], *, commit_message: str = "",
-                      parent_commit: str | None = None, **_: object) -> RepoInfo:
+    def create_commit(self, repo_id: str, operations: list[CommitOperationAdd | CommitOperationDelete], *,
+                      commit_message: str, repo_type: str | None = None,
+                      parent_commit: str | None = None) -> CommitInfo:
         """Apply operations atomically; with `parent_commit`, refuse if the head moved (412, like the Hub)."""
         with self._lock:
-            self._before_write()
+            self._before_write(repo_id)
             repo = self._repo(repo_id)
-            if parent_commit is not None and parent_commit != self._sha(repo_id):
-                raise http_error(HfHubHTTPError, 412, "412: A commit has happened since. Please refresh and try again.")
-            paths = []
-            for op in operations:
-                if isinstance(op, CommitOperationAdd):
-                    dest = repo / op.path_in_repo
-                    dest.parent.mkdir(parents=True, exist_ok=True)
-                    data = op.path_or_fileobj
-                    if isinstance(data, bytes):
-                        dest.write_bytes(data)
-                    elif isinstance(data, (str, Path)):
-                        shutil.copyfile(data, dest)
-                    else:
-                        dest.write_bytes(data.read())
-                    paths.append(op.path_in_repo)
-                elif isinstance(op, CommitOperationDelete):
-                    target = repo / op.path_in_repo
-                    if target.is_dir():
-                        shutil.rmtree(target)
-                    else:
-                        target.unlink(missing_ok=True)
-                    paths.append(op.path_in_repo)
+            if parent_commit is not None and parent_commit != self.head(repo_id):
+                raise_hub_error(412, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
+                                "A commit has happened since. Please refresh and try again.", method="POST")
+            paths = [self._apply(repo, op) for op in operations]
             self._heads[repo_id] = self._heads.get(repo_id, 0) + 1
             self.commits.append((repo_id, commit_message, paths))
-            return RepoInfo(id=repo_id, sha=self._sha(repo_id))
+            oid = self.head(repo_id)
+            return CommitInfo(commit_url=f"{ENDPOINT}/{repo_id}/commit/{oid}", commit_message=commit_message,
+                              commit_description="", oid=oid, pr_url=None)
+
+    @staticmethod
+    def _apply(repo: Path, op: CommitOperationAdd | CommitOperationDelete) -> str:
+        target = repo / op.path_in_repo
+        if isinstance(op, CommitOperationDelete):
+            if target.is_dir():
+                shutil.rmtree(target)
+            else:
+                target.unlink(missing_ok=True)
+            return op.path_in_repo
+        target.parent.mkdir(parents=True, exist_ok=True)
+        data = op.path_or_fileobj
+        if isinstance(data, bytes):
+            target.write_bytes(data)
+        elif isinstance(data, (str, Path)):
+            shutil.copyfile(data, target)
+        else:
+            target.write_bytes(data.read())
+        return op.path_in_repo
 
     def upload_file(self, *, path_or_fileobj: str | Path | bytes, path_in_repo: str, repo_id: str,
-                    commit_message: str = "", parent_commit: str | None = None, **_: object) -> RepoInfo:
+                    repo_type: str | None = None, commit_message: str | None = None,
+                    parent_commit: str | None = None) -> CommitInfo:
         op = CommitOperationAdd(path_in_repo=path_in_repo, path_or_fileobj=path_or_fileobj)
-        return self.create_commit(repo_id, [op], commit_message=commit_message, parent_commit=parent_commit)
+        return self.create_commit(repo_id, [op], commit_message=commit_message or f"Upload {path_in_repo}",
+                                  parent_commit=parent_commit)
 
     def upload_folder(self, *, repo_id: str, folder_path: str | Path, path_in_repo: str | None = None,
-                      commit_message: str = "", allow_patterns: list[str] | str | None = None,
-                      ignore_patterns: list[str] | str | None = None, parent_commit: str | None = None,
-                      **_: object) -> RepoInfo:
+                      repo_type: str | None = None, commit_message: str | None = None, parent_commit: str | None = None,
+                      allow_patterns: list[str] | str | None = None,
+                      ignore_patterns: list[str] | str | None = None) -> CommitInfo:
         folder = Path(folder_path)
         allow = [allow_patterns] if isinstance(allow_patterns, str) else allow_patterns
         ignore = [ignore_patterns] if isinstance(ignore_patterns, str) else (ignore_patterns or [])
@@ -151,4 +170,17 @@ class LocalHub:
                 continue
             dest = f"{path_in_repo.strip('/')}/{rel}" if path_in_repo else rel
             ops.append(CommitOperationAdd(path_in_repo=dest, path_or_fileobj=str(path)))
-        return self.create_commit(repo_id, ops, commit_message=commit_message, parent_commit=parent_commit)
+        return self.create_commit(repo_id, ops, commit_message=commit_message or "Upload folder",
+                                  parent_commit=parent_commit)
+
+    # -- jobs ------------------------------------------------------------------
+    def run_job(self, *, image: str, command: list[str], env: dict[str, object] | None = None,
+                secrets: dict[str, object] | None = None, flavor: str | None = None,
+                timeout: int | float | str | None = None, name: str | None = None,
+                expose_public: list[int] | None = None, token: bool | str | None = None) -> JobInfo:
+        """Record the job (no Jobs here) and answer as the Jobs API does for a job that started."""
+        given = {"image": image, "command": command, "env": env, "secrets": secrets, "flavor": flavor,
+                 "timeout": timeout, "name": name, "expose_public": expose_public, "token": token}
+        self.jobs.append({k: v for k, v in given.items() if v is not None})
+        return JobInfo(id=f"68a{len(self.jobs):021d}", owner={"id": "u1", "name": "alice", "type": "user"},
+                       status={"stage": "RUNNING"}, endpoint=ENDPOINT)

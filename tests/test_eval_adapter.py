@@ -19,9 +19,10 @@ import pytest
 from hub_double import LocalHub
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
+import adapter_repo
 import eval_adapter as ea
 import recipe
-from train_lora import push_folder
+from adapter_repo import push_folder
 
 REPO = "you/LFM2.5-2.6B-opencode-lora-RL"
 
@@ -281,11 +282,37 @@ def hub(tmp_path):
 def test_incomplete_checkpoint_is_refused(hub, adapter_dir, tmp_path):
     hub.upload_folder(repo_id=REPO, folder_path=adapter_dir, path_in_repo="checkpoint-100")  # no marker yet
     with pytest.raises(recipe.ConfigError, match="no complete adapter for 'checkpoint-100'"):
-        ea.download_adapter(hub, REPO, "checkpoint-100", tmp_path / "dl")
+        adapter_repo.download_adapter(hub, REPO, "checkpoint-100", tmp_path / "dl")
     push_folder(hub, REPO, adapter_dir, "checkpoint-100", marker=True)  # the trainer's own push
-    local = ea.download_adapter(hub, REPO, "checkpoint-100", tmp_path / "dl")
+    local = adapter_repo.download_adapter(hub, REPO, "checkpoint-100", tmp_path / "dl")
     name = "adapter_model.safetensors"
     assert (local / name).read_bytes() == (adapter_dir / name).read_bytes()
+
+
+CELL = {"side": "adapter", "task_index": 3, "task_name": "task_3", "reward": 1.0, "correct": True,
+        "unscorable": False, "attempts": 1}
+
+
+def test_results_push_lands_at_once_on_the_commit_the_real_client_returns(hub, tmp_path, monkeypatch):
+    """Defect 1: create_commit returns a CommitInfo (its id is .oid, there is no .sha): one commit, no retry."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    results = ea.ResultsFile(tmp_path / "r.json", {"cells": [CELL]})
+    ea.push_results(hub, REPO, "eval/final_results.json", results)
+    assert sleeps == [] and len(hub.commits) == 1
+    assert json.loads((hub.root / REPO / "eval/final_results.json").read_text())["cells"] == [CELL]
+
+
+@pytest.mark.parametrize("status", [401, 403, 404])
+def test_results_push_refused_by_the_hub_stops_at_once_with_one_line(hub, tmp_path, monkeypatch, status):
+    """Defect 6: only transient errors are retried; a 401/403/404 is reported at once."""
+    sleeps: list[float] = []
+    monkeypatch.setattr(time, "sleep", sleeps.append)
+    hub.fail_uploads, hub.fail_status = 1, status
+    with pytest.raises(RuntimeError) as caught:
+        ea.push_results(hub, REPO, "eval/final_results.json", ea.ResultsFile(tmp_path / "r.json", {"cells": [CELL]}))
+    assert sleeps == [] and hub.commits == []
+    assert f"HTTP {status}" in str(caught.value) and "\n" not in str(caught.value)
 
 
 def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_dir, tmp_path, monkeypatch):
@@ -301,14 +328,14 @@ def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_d
     lora = ea.LoraServer(vllm.url)
     killer = EvalFactoryDouble(vllm.url, outcome, kill_after=7)
     with pytest.raises(Killed):
-        ea.evaluate(hub, REPO, ea.FINAL, killer, tasks, lora, tmp_path / "work1", concurrency=1)
+        ea.evaluate(hub, REPO, adapter_repo.FINAL, killer, tasks, lora, tmp_path / "work1", concurrency=1)
     pushed = json.loads((hub.root / REPO / "eval/final_results.json").read_text())
     assert len(pushed["cells"]) == 6 and not pushed["complete"]  # pushed every 3 cells
     assert vllm.loras == {}  # unloaded even though the eval died
 
     # A fresh machine (new work dir) resumes from the pushed cells only.
     factory = EvalFactoryDouble(vllm.url, outcome)
-    doc = ea.evaluate(hub, REPO, ea.FINAL, factory, tasks, lora, tmp_path / "work2", concurrency=1)
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, factory, tasks, lora, tmp_path / "work2", concurrency=1)
     assert len(factory.calls) == 16 - 6 + (recipe.EVAL_CELL_ATTEMPTS - 1)  # task 7 on the adapter is retried
     assert {m for _, m in factory.calls} == {recipe.SERVED_MODEL_NAME, "opencode-lora-final"}
     remote = json.loads((hub.root / REPO / "eval/final_results.json").read_text())

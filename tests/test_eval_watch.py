@@ -14,10 +14,12 @@ from huggingface_hub.errors import HfHubHTTPError
 from test_eval_adapter import _run_eval_job, make_eval_job
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
+import adapter_repo
 import eval_adapter as ea
 import eval_watch as ew
+import export_adapter
 import recipe
-from train_lora import COMPLETE_MARKER, push_folder
+from adapter_repo import COMPLETE_MARKER, push_folder
 
 REPO = "you/LFM2.5-2.6B-opencode-lora-RL"
 N_TASKS = 5
@@ -146,7 +148,7 @@ def test_watcher_evaluates_checkpoints_in_order_and_stops_after_final(hub, vllm,
         expected += [("load_lora_adapter", f"opencode-lora-{c}"), ("unload_lora_adapter", f"opencode-lora-{c}")]
     assert lora_calls == expected and vllm.loras == {}
 
-    subset = repo_json(hub, ew.BASE_PATH)["subset"]
+    subset = repo_json(hub, adapter_repo.WATCH_BASE_PATH)["subset"]
     assert subset == ew.choose_subset(len(TASKS), N_TASKS)
     base_calls = [t for t, m in factory.calls if m == recipe.SERVED_MODEL_NAME]
     unscorable = 11 in subset
@@ -157,14 +159,14 @@ def test_watcher_evaluates_checkpoints_in_order_and_stops_after_final(hub, vllm,
 
 def assert_summary_is_recount(hub):
     """eval/summary.json's numbers equal a recount from the per-checkpoint files in the repo."""
-    summary = repo_json(hub, ew.SUMMARY_PATH)
-    base = ea.rewards(repo_json(hub, ew.BASE_PATH)["cells"], "base")
+    summary = repo_json(hub, adapter_repo.SUMMARY_PATH)
+    base = ea.rewards(repo_json(hub, adapter_repo.WATCH_BASE_PATH)["cells"], "base")
     rows = summary["checkpoints"]
-    names = {p.name.removesuffix("_results.json") for p in (hub.root / REPO / "eval").glob("*_results.json")}
-    assert {r["checkpoint"] for r in rows} == names - {"base"}
-    assert rows == sorted(rows, key=lambda r: (r["checkpoint"] == ea.FINAL, r["step"]))
+    names = adapter_repo.watched_checkpoints(hub.list_repo_files(REPO))
+    assert {r["checkpoint"] for r in rows} == set(names)
+    assert rows == sorted(rows, key=lambda r: (r["checkpoint"] == adapter_repo.FINAL, r["step"]))
     for row in rows:
-        doc = repo_json(hub, ew.results_path(row["checkpoint"]))
+        doc = repo_json(hub, adapter_repo.watch_results_path(row["checkpoint"]))
         cells = doc["cells"]
         assert len(cells) == len({c["task_index"] for c in cells}) == N_TASKS and doc["complete"]
         recount = ea.summarize(base, ea.rewards(cells, "adapter"))
@@ -172,7 +174,7 @@ def assert_summary_is_recount(hub):
             k: recount["adapter"][k] for k in ("correct", "scored", "unscorable", "pass_at_1")}
         assert row["paired"] == recount["paired"]
     assert summary["base"] == ea.summarize(base, {})["base"]
-    assert png_size((hub.root / REPO / ew.CURVE_PATH).read_bytes()) == (800, 450)
+    assert png_size((hub.root / REPO / adapter_repo.CURVE_PATH).read_bytes()) == (800, 450)
     return summary
 
 
@@ -186,7 +188,7 @@ def test_killed_watcher_resumes_mid_checkpoint_without_recomputing(hub, vllm, ad
     killer = EvalFactoryDouble(vllm.url, outcome, kill_after=kill_at)
     with pytest.raises(Killed):
         watcher(hub, vllm, killer, tmp_path / "first").run()
-    half = repo_json(hub, ew.results_path("checkpoint-200"))
+    half = repo_json(hub, adapter_repo.watch_results_path("checkpoint-200"))
     assert len(half["cells"]) == 2 and not half["complete"]  # pushed every 2 cells; the 3rd was lost with the kill
     assert vllm.loras == {}
 
@@ -206,6 +208,60 @@ def test_killed_watcher_resumes_mid_checkpoint_without_recomputing(hub, vllm, ad
     assert watcher(hub, vllm, third, tmp_path / "third").run() == "final" and third.calls == []
 
 
+def card_of(hub, tmp_path) -> str:
+    """The model card export_adapter.py writes for the final adapter from the repo as it is now."""
+    out = tmp_path / "export"
+    rc = export_adapter.main(["--source", REPO, "--target", "alice/card-check", "--local-dir", str(out)],
+                             env={}, make_api=lambda token: hub, stored_token=lambda: None)
+    assert rc == 0
+    return (out / "adapter" / "README.md").read_text()
+
+
+def final_row(hub) -> dict:
+    rows = repo_json(hub, adapter_repo.SUMMARY_PATH)["checkpoints"]
+    [row] = [r for r in rows if r["checkpoint"] == adapter_repo.FINAL]
+    return row
+
+
+def full_eval(hub, vllm, tmp_path) -> tuple[dict, EvalFactoryDouble]:
+    factory = EvalFactoryDouble(vllm.url, outcome)
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, factory, TASKS, ea.LoraServer(vllm.url), tmp_path / "full",
+                      concurrency=1)
+    return doc, factory
+
+
+def assert_card_has_the_full_eval(card: str, full: dict) -> None:
+    base = full["summary"]["base"]
+    assert "## Evaluation" in card and f"({base['correct']}/{base['scored']})" in card
+    assert base["tasks"] == len(TASKS)
+
+
+def test_full_eval_then_watcher_each_keep_their_own_file(hub, vllm, adapter_dir, tmp_path):
+    """Defect 3, watcher last: its final point comes from its own subset and the card keeps the full eval."""
+    push_folder(hub, REPO, adapter_dir, "checkpoint-100", marker=True)
+    push_folder(hub, REPO, adapter_dir, "")
+    full, _ = full_eval(hub, vllm, tmp_path)
+    factory = EvalFactoryDouble(vllm.url, outcome)
+    assert watcher(hub, vllm, factory, tmp_path / "w").run() == "final"
+    assert len([1 for _, m in factory.calls if m == "opencode-lora-final"]) == N_TASKS  # evaluated, not skipped
+    row = final_row(hub)
+    assert row["complete"] and row["scored"] + row["unscorable"] == N_TASKS
+    assert repo_json(hub, adapter_repo.full_results_path(adapter_repo.FINAL)) == full
+    assert_card_has_the_full_eval(card_of(hub, tmp_path), full)
+
+
+def test_watcher_then_full_eval_each_keep_their_own_file(hub, vllm, adapter_dir, tmp_path):
+    """Defect 3, full eval last: it runs every task itself (no subset cells adopted), the curve is unchanged."""
+    push_folder(hub, REPO, adapter_dir, "")
+    w = watcher(hub, vllm, EvalFactoryDouble(vllm.url, outcome), tmp_path / "w")
+    assert w.run() == "final"
+    before = final_row(hub)
+    full, factory = full_eval(hub, vllm, tmp_path)
+    assert len(factory.calls) == 2 * len(TASKS) + recipe.EVAL_CELL_ATTEMPTS - 1  # base task 11 never scores
+    assert w.publish_summary() and final_row(hub) == before
+    assert_card_has_the_full_eval(card_of(hub, tmp_path), full)
+
+
 class RacingHub(LocalHub):
     """The first summary commit loses a race: another watcher commits a checkpoint's results just before it."""
 
@@ -214,7 +270,7 @@ class RacingHub(LocalHub):
         self.interleave, self.refused = interleave, 0
 
     def create_commit(self, repo_id, operations, **kwargs):
-        if self.interleave and any(op.path_in_repo == ew.SUMMARY_PATH for op in operations):
+        if self.interleave and any(op.path_in_repo == adapter_repo.SUMMARY_PATH for op in operations):
             interleave, self.interleave = self.interleave, None
             interleave()
         try:
@@ -229,8 +285,8 @@ def test_two_watchers_cannot_corrupt_the_summary(vllm, adapter_dir, tmp_path):
         doc = {"checkpoint": "checkpoint-900", "step": 900, "complete": True,
                "cells": [{"side": "adapter", "task_index": i, "reward": 1.0, "unscorable": False, "attempts": 1}
                          for i in ew.choose_subset(len(TASKS), N_TASKS)]}
-        LocalHub.upload_file(hub, path_or_fileobj=json.dumps(doc).encode(), path_in_repo=ew.results_path(
-            "checkpoint-900"), repo_id=REPO)
+        LocalHub.upload_file(hub, path_or_fileobj=json.dumps(doc).encode(),
+                             path_in_repo=adapter_repo.watch_results_path("checkpoint-900"), repo_id=REPO)
 
     hub = RacingHub(tmp_path / "hub", other_watcher)
     hub.create_repo(REPO)
@@ -244,7 +300,7 @@ def test_two_watchers_cannot_corrupt_the_summary(vllm, adapter_dir, tmp_path):
 
 
 def test_concurrent_cell_pushes_merge_instead_of_overwriting(hub, tmp_path):
-    path = ew.results_path("checkpoint-100")
+    path = adapter_repo.watch_results_path("checkpoint-100")
     mine = ea.ResultsFile(tmp_path / "a.json", {"cells": [
         {"side": "adapter", "task_index": 1, "reward": 1.0, "unscorable": False, "attempts": 1}]})
     theirs = {"cells": [{"side": "adapter", "task_index": 2, "reward": 0.0, "unscorable": False, "attempts": 1},
@@ -260,7 +316,7 @@ def test_idle_watcher_stops_after_max_idle_hours(hub, vllm, tmp_path):
     factory = EvalFactoryDouble(vllm.url, outcome)
     assert watcher(hub, vllm, factory, tmp_path / "w", clock, max_idle_s=600).run() == "idle"
     assert clock.sleeps == 11 and clock.now == 660  # polls at 0, 60, ..., 600 are within the idle limit
-    assert repo_json(hub, ew.SUMMARY_PATH)["checkpoints"] == []
+    assert repo_json(hub, adapter_repo.SUMMARY_PATH)["checkpoints"] == []
 
 
 def test_restart_with_a_different_n_tasks_is_refused(hub, vllm, tmp_path):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +17,7 @@ import yaml
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
+import adapter_repo
 import eval_adapter
 import export_adapter
 import recipe
@@ -69,7 +71,7 @@ def made(tmp_path_factory) -> dict:
     final.save_pretrained(source)
     ckpt.save_pretrained(source / "checkpoint-100")
     marker = {p.name: p.stat().st_size for p in (source / "checkpoint-100").iterdir()}
-    (source / "checkpoint-100" / train_lora.COMPLETE_MARKER).write_text(json.dumps({"files": marker}))
+    (source / "checkpoint-100" / adapter_repo.COMPLETE_MARKER).write_text(json.dumps({"files": marker}))
     (source / "eval").mkdir()
     (source / "eval" / "final_results.json").write_text(json.dumps(results_doc()))
     return {"base": base_dir, "source": source, "final": logits(final), "ckpt": logits(ckpt),
@@ -208,7 +210,7 @@ def hub_with_source(made, tmp_path) -> LocalHub:
 
 def test_push_from_hub_source_with_retries(made, tmp_path, capsys, monkeypatch):
     sleeps = []
-    monkeypatch.setattr(export_adapter.time, "sleep", sleeps.append)
+    monkeypatch.setattr(time, "sleep", sleeps.append)
     hub = hub_with_source(made, tmp_path)
     hub.fail_uploads = 2
     tokens = []
@@ -231,7 +233,7 @@ def test_push_from_hub_source_with_retries(made, tmp_path, capsys, monkeypatch):
 
 
 def test_failed_push_keeps_everything_on_disk(made, tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(export_adapter.time, "sleep", lambda s: None)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     hub = hub_with_source(made, tmp_path)
     hub.fail_uploads = recipe.PUSH_RETRIES
     rc, _, err = run(["--source", SOURCE, "--target", TARGET], capsys, env={"HF_TOKEN": CANARY},
@@ -262,7 +264,7 @@ BAD = {
     "missing weights": (["--local-dir", "X"], lambda s: (s / "adapter_model.safetensors").unlink(),
                         "no complete adapter for 'final'"),
     "checkpoint without marker": (["--checkpoint", "checkpoint-100", "--local-dir", "X"],
-                                  lambda s: (s / "checkpoint-100" / train_lora.COMPLETE_MARKER).unlink(),
+                                  lambda s: (s / "checkpoint-100" / adapter_repo.COMPLETE_MARKER).unlink(),
                                   "no complete adapter for 'checkpoint-100'"),
 }
 

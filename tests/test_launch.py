@@ -15,9 +15,10 @@ from pathlib import Path
 
 import huggingface_hub
 import pytest
-from huggingface_hub.errors import HfHubHTTPError
 
 import launch
+import recipe
+from adapter_repo import COMPLETE_MARKER
 from tests.hub_double import LocalHub
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -32,9 +33,10 @@ EXPECTED = {
     "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100"}),
     "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final"}),
 }
-SCRIPTS = ["recipe.py", "common.sh", "prepare_tasks.py", "eval_adapter.py", "serve_policy.sh", "serve_env.sh",
-           "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py", "weight_sync.py", "run_eval_watch.sh",
-           "eval_watch.py", "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt"]
+SCRIPTS = ["recipe.py", "common.sh", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py", "serve_policy.sh",
+           "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py", "weight_sync.py",
+           "run_eval_watch.sh", "eval_watch.py", "run_eval.sh", "launch.py", "export_adapter.py", "README.md",
+           "requirements.txt"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -73,22 +75,15 @@ def bundle(tmp_path: Path) -> Path:
 
 
 class RecordingHub(LocalHub):
-    """LocalHub plus a recording `run_job` (HF Jobs cannot be reached from here)."""
-
-    def __init__(self, root: Path) -> None:
-        super().__init__(root)
-        self.jobs: list[dict] = []
-
-    def run_job(self, **kwargs: object) -> object:
-        self.jobs.append(kwargs)
-        job_id = f"68a{len(self.jobs):021d}"
-        return type("JobInfo", (), {"id": job_id, "url": f"https://huggingface.co/jobs/alice/{job_id}"})()
+    """LocalHub (whose `run_job` records each job) plus a way to seed adapters."""
 
     def seed_adapter(self, repo_id: str, folder: str = "") -> None:
-        """Put an adapter's two files into `repo_id` (at the root = a finished run's final adapter)."""
+        """Put an adapter's two files into `repo_id` (at the root = a finished run's final adapter; in a checkpoint
+        folder with its completion marker, as the trainer pushes one)."""
         self.create_repo(repo_id, exist_ok=True)
         prefix = f"{folder}/" if folder else ""
-        for name in ("adapter_model.safetensors", "adapter_config.json"):
+        names = ["adapter_model.safetensors", "adapter_config.json"]
+        for name in names + ([COMPLETE_MARKER] if folder else []):
             self.upload_file(path_or_fileobj=b"{}", path_in_repo=prefix + name, repo_id=repo_id)
 
 
@@ -182,16 +177,24 @@ def test_old_hub_fails_with_the_needed_version_before_anything_remote(capsys, mo
     assert "uv run --no-project --with 'huggingface_hub>=2.1.1' --with tomli-w==1.2.0 python launch.py" in err
 
 
-def test_failed_upload_starts_no_job(capsys, monkeypatch, bundle, tmp_path):
-    monkeypatch.setattr(huggingface_hub, "__version__", "2.4.0")
+def test_refused_upload_starts_no_job_and_says_so_in_one_line(capsys, monkeypatch, bundle, tmp_path):
+    sleeps: list[float] = []
+    monkeypatch.setattr("time.sleep", sleeps.append)
     hub = RecordingHub(tmp_path / "hub")
-    hub.fail_uploads = 1
-    with pytest.raises(HfHubHTTPError):
-        launch.main(["train", "--bundle-dir", str(bundle)], env=base_env(), make_api=lambda t: hub,
-                    stored_token=lambda: None)
-    assert hub.jobs == [] and hub.commits == []
-    out, err = capsys.readouterr()
-    assert CANARY not in out + err
+    hub.fail_uploads, hub.fail_status = 1, 403
+    rc, out, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    assert rc == 1 and err.startswith("launch.py: commit ") and err.count("\n") == 1 and "HTTP 403" in err
+    assert hub.jobs == [] and hub.commits == [] and sleeps == []
+
+
+def test_upload_rides_out_a_hub_blip(capsys, monkeypatch, bundle, tmp_path):
+    sleeps: list[float] = []
+    monkeypatch.setattr("time.sleep", sleeps.append)
+    hub = RecordingHub(tmp_path / "hub")
+    hub.fail_uploads = 1  # HTTP 503
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    assert rc == 0, err
+    assert len(hub.jobs) == 1 and sleeps == [recipe.PUSH_BACKOFF_S]
 
 
 def test_stored_login_token_is_used_when_hf_token_is_unset(capsys, bundle):
@@ -323,6 +326,32 @@ def launch_real(capsys, monkeypatch, bundle, hub, argv):
     return run_main(capsys, [*argv, "--bundle-dir", str(bundle)], base_env(), lambda t: hub)
 
 
+class RacingLaunchHub(RecordingHub):
+    """A second launch commits its own bundle to the code repo right after this launch's commit."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.mine: list[str] = []
+
+    def create_commit(self, repo_id, operations, *, commit_message, parent_commit=None):
+        info = super().create_commit(repo_id, operations, commit_message=commit_message, parent_commit=parent_commit)
+        if repo_id == CODE and not self.mine:
+            self.mine.append(info.oid)
+            self.upload_file(path_or_fileobj=b"# another checkout\n", path_in_repo="train_lora.py", repo_id=CODE)
+        return info
+
+
+def test_job_pins_its_own_bundle_commit_when_another_launch_commits_meanwhile(capsys, monkeypatch, bundle, tmp_path):
+    """Defect 5: the job must download the commit this launch made (CommitInfo.oid), not whatever is head now."""
+    hub = RacingLaunchHub(tmp_path / "hub")
+    rc, out, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    assert rc == 0, err
+    [mine] = hub.mine
+    assert mine != hub.repo_info(CODE).sha  # the other launch moved the head
+    assert f"--revision {mine} " in hub.jobs[0]["command"][2]
+    assert f"{CODE}@{mine}" in out
+
+
 def test_train_refuses_a_repo_holding_a_finished_run(capsys, monkeypatch, bundle, tmp_path):
     hub = RecordingHub(tmp_path / "hub")
     hub.seed_adapter(ADAPTER, "checkpoint-100")
@@ -368,12 +397,9 @@ import huggingface_hub
 from huggingface_hub import CommitOperationAdd, HfApi, get_token, errors  # the client's own imports are fine
 from tests.hub_double import LocalHub
 huggingface_hub.__version__ = "2.4.0"
-class Hub(LocalHub):
-    def run_job(self, **kw):
-        return type("JobInfo", (), {{"id": "j1", "url": "https://huggingface.co/jobs/alice/j1"}})()
-hub = Hub(Path({str(tmp_path / 'hub')!r}))
+hub = LocalHub(Path({str(tmp_path / 'hub')!r}))
 hub.create_repo({ADAPTER!r})
-for name in ("adapter_model.safetensors", "adapter_config.json"):
+for name in ("adapter_model.safetensors", "adapter_config.json", {COMPLETE_MARKER!r}):
     hub.upload_file(path_or_fileobj=b"{{}}", path_in_repo="checkpoint-100/" + name, repo_id={ADAPTER!r})
 before = {{m.split(".")[0] for m in sys.modules}}
 import launch
@@ -382,7 +408,7 @@ for argv in (["train"], ["smoke"], ["eval-watch"], ["eval", "--checkpoint", "che
     assert launch.main([*argv, "--bundle-dir", {str(bundle)!r}], env=env, make_api=lambda t: hub,
                        stored_token=lambda: None) == 0, argv
 new = {{m.split(".")[0] for m in sys.modules}} - before - set(sys.stdlib_module_names)
-assert new <= {{"launch", "recipe", "prepare_tasks", "tomli_w", "packaging"}}, new
+assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "tomli_w", "packaging"}}, new
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False,
                           cwd=tmp_path)

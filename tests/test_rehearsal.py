@@ -25,6 +25,7 @@ from transformers import AutoModelForCausalLM
 from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
+import adapter_repo
 import recipe
 import train_lora
 import weight_sync
@@ -235,7 +236,7 @@ def test_rehearsal_trains_is_killed_after_checkpoint_2_and_resumes_for_step_3(tm
     assert all(sync["mismatched"] == [] and sync["sent_dtypes"] == [recipe.SERVE_DTYPE] for sync in report["syncs"])
     assert all(0.9 < row["ratio"] < 1.1 and row["loss"] is not None for row in report["steps"])
     pushed = {p.name for p in (repo / "checkpoint-2").iterdir()}
-    assert {"adapter_model.safetensors", "adapter_config.json", train_lora.COMPLETE_MARKER} <= pushed
+    assert {"adapter_model.safetensors", "adapter_config.json", adapter_repo.COMPLETE_MARKER} <= pushed
     assert not (repo / "adapter_model.safetensors").exists()  # killed before the final push
     checkpoint_2 = load_file(repo / "checkpoint-2" / "adapter_model.safetensors")
 
@@ -285,7 +286,7 @@ def test_one_command_runs_three_steps_end_to_end_through_one_failure_of_each_cla
     assert "served==merged" in run.stdout
     for step in (2, 3):  # every save_steps, and the last step too: nothing trained is left unpushed
         pushed = {p.name for p in (repo / f"checkpoint-{step}").iterdir()}
-        assert {"adapter_model.safetensors", train_lora.COMPLETE_MARKER} <= pushed
+        assert {"adapter_model.safetensors", adapter_repo.COMPLETE_MARKER} <= pushed
     final = load_file(repo / "adapter_model.safetensors")
     checkpoint_2 = load_file(repo / "checkpoint-2" / "adapter_model.safetensors")
     assert any(not torch.equal(final[k], v) for k, v in checkpoint_2.items())

@@ -24,6 +24,7 @@ from safetensors.torch import load_file
 from transformers import Lfm2Config
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutOutcome, HarnessRolloutWorker
 
+import adapter_repo
 import recipe
 import train_lora
 from tests.fake_sessions import TASKS, FakeSessionFactory
@@ -303,11 +304,11 @@ def test_push_uploads_the_checkpoint_in_one_commit_with_its_marker_last(tmp_path
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
     folder = fake_checkpoint(tmp_path / "out" / "checkpoint-100", 100)
-    paths = train_lora.push_folder(hub, REPO, folder, "checkpoint-100", marker=True, backoff_s=0)
-    assert len(hub.commits) == 1 and paths[-1] == f"checkpoint-100/{train_lora.COMPLETE_MARKER}"
-    marker = json.loads((tmp_path / "hub" / REPO / "checkpoint-100" / train_lora.COMPLETE_MARKER).read_text())
+    paths = adapter_repo.push_folder(hub, REPO, folder, "checkpoint-100", marker=True, backoff_s=0)
+    assert len(hub.commits) == 1 and paths[-1] == f"checkpoint-100/{adapter_repo.COMPLETE_MARKER}"
+    marker = json.loads((tmp_path / "hub" / REPO / "checkpoint-100" / adapter_repo.COMPLETE_MARKER).read_text())
     assert marker["files"] == {p.name: p.stat().st_size for p in folder.iterdir()}
-    assert train_lora.complete_checkpoints(hub.list_repo_files(REPO)) == [100]
+    assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [100]
 
 
 def test_push_retries_with_backoff_then_succeeds(tmp_path):
@@ -316,9 +317,9 @@ def test_push_retries_with_backoff_then_succeeds(tmp_path):
     hub.fail_uploads = recipe.PUSH_RETRIES - 1
     waits: list[float] = []
     folder = fake_checkpoint(tmp_path / "checkpoint-5", 5)
-    train_lora.push_folder(hub, REPO, folder, "checkpoint-5", marker=True, backoff_s=0.5, sleep=waits.append)
+    adapter_repo.push_folder(hub, REPO, folder, "checkpoint-5", marker=True, backoff_s=0.5, sleep=waits.append)
     assert waits == [0.5, 1.0, 2.0, 4.0][: recipe.PUSH_RETRIES - 1]
-    assert train_lora.complete_checkpoints(hub.list_repo_files(REPO)) == [5]
+    assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [5]
 
 
 def test_push_that_keeps_failing_raises_loudly(tmp_path, caplog):
@@ -326,8 +327,8 @@ def test_push_that_keeps_failing_raises_loudly(tmp_path, caplog):
     hub.create_repo(REPO)
     hub.fail_uploads = recipe.PUSH_RETRIES
     folder = fake_checkpoint(tmp_path / "checkpoint-5", 5)
-    with pytest.raises(train_lora.PushError, match=f"failed {recipe.PUSH_RETRIES} times.*503"):
-        train_lora.push_folder(hub, REPO, folder, "checkpoint-5", marker=True, backoff_s=0, sleep=lambda s: None)
+    with pytest.raises(adapter_repo.PushError, match=f"failed {recipe.PUSH_RETRIES} times.*503"):
+        adapter_repo.push_folder(hub, REPO, folder, "checkpoint-5", marker=True, backoff_s=0, sleep=lambda s: None)
     assert hub.commits == [] and hub.list_repo_files(REPO) == []
     assert caplog.text.count("push attempt") == recipe.PUSH_RETRIES - 1
 
@@ -336,12 +337,12 @@ def test_resume_picks_the_newest_complete_checkpoint_and_skips_a_half_written_on
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
     for step in (100, 200):
-        train_lora.push_folder(hub, REPO, fake_checkpoint(tmp_path / f"c{step}", step), f"checkpoint-{step}",
+        adapter_repo.push_folder(hub, REPO, fake_checkpoint(tmp_path / f"c{step}", step), f"checkpoint-{step}",
                                marker=True, backoff_s=0)
     # checkpoint-300: files uploaded one by one and the job died before the marker.
     for path in fake_checkpoint(tmp_path / "c300", 300).iterdir():
         hub.upload_file(path_or_fileobj=str(path), path_in_repo=f"checkpoint-300/{path.name}", repo_id=REPO)
-    assert train_lora.complete_checkpoints(hub.list_repo_files(REPO)) == [100, 200]
+    assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [100, 200]
     local = train_lora.resume_checkpoint(hub, REPO, str(tmp_path / "out"))
     assert local == tmp_path / "out" / "checkpoint-200"
     assert (local / "adapter_model.safetensors").read_text() == "adapter_model.safetensors of step 200"
@@ -357,9 +358,9 @@ def test_resume_with_an_empty_repo_starts_from_scratch(tmp_path):
 def test_resume_refuses_a_download_that_does_not_match_its_marker(tmp_path):
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
-    train_lora.push_folder(hub, REPO, fake_checkpoint(tmp_path / "c1", 1), "checkpoint-1", marker=True, backoff_s=0)
+    adapter_repo.push_folder(hub, REPO, fake_checkpoint(tmp_path / "c1", 1), "checkpoint-1", marker=True, backoff_s=0)
     (tmp_path / "hub" / REPO / "checkpoint-1" / "trainer_state.json").write_text("truncated")
-    with pytest.raises(train_lora.PushError, match="does not match its marker"):
+    with pytest.raises(adapter_repo.PushError, match="does not match its marker"):
         train_lora.resume_checkpoint(hub, REPO, str(tmp_path / "out"))
 
 
@@ -374,10 +375,28 @@ def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_pa
     pusher.on_save(args, TrainerState(global_step=7, is_world_process_zero=False), None)
     assert hub.commits == []  # Only the main process pushes.
     hub.fail_uploads = recipe.PUSH_RETRIES
-    with pytest.raises(train_lora.PushError):
+    with pytest.raises(adapter_repo.PushError):
         pusher.on_save(args, TrainerState(global_step=7), None)
     pusher.on_save(args, TrainerState(global_step=7), None)
-    assert train_lora.complete_checkpoints(hub.list_repo_files(REPO)) == [7]
+    assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [7]
+
+
+@pytest.mark.parametrize("status", [401, 403, 404, 400])
+def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status):
+    """Defect 6: a refused push (bad token, no write access, no repo) is not retried for minutes."""
+    from transformers import TrainerState
+
+    hub = LocalHub(tmp_path / "hub")
+    hub.create_repo(REPO)
+    fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
+    hub.fail_uploads, hub.fail_status = 1, status
+    waits: list[float] = []
+    pusher = train_lora.CheckpointPusher(hub, REPO, backoff_s=1, sleep=waits.append)
+    with pytest.raises(RuntimeError) as caught:
+        pusher.on_save(SimpleNamespace(output_dir=str(tmp_path / "out")), TrainerState(global_step=7), None)
+    message = str(caught.value)
+    assert waits == [] and hub.commits == []
+    assert f"HTTP {status}" in message and "checkpoint-7" in message and "\n" not in message
 
 
 def test_heartbeat_rewrites_its_file_every_step(tmp_path):
@@ -407,7 +426,7 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     with cpu_trainer_shims():
         train_lora.train(first, factory=factory, weight_transfer=transfer, api=hub)
     files = hub.list_repo_files(REPO)
-    assert train_lora.complete_checkpoints(files) == [1, 2]
+    assert adapter_repo.complete_checkpoints(files) == [1, 2]
     for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json", "tokenizer.json",
                  "optimizer.pt", "rollout_state.json"):
         assert f"checkpoint-2/{name}" in files
@@ -419,7 +438,7 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     assert sum(t.numel() for t in final.values()) == train_lora.lora_param_count(tiny_model()[0].config)
 
     # The job dies while checkpoint-2 is half uploaded; the relaunch must resume from checkpoint-1.
-    (tmp_path / "hub" / REPO / "checkpoint-2" / train_lora.COMPLETE_MARKER).unlink()
+    (tmp_path / "hub" / REPO / "checkpoint-2" / adapter_repo.COMPLETE_MARKER).unlink()
     commits_before = len(hub.commits)
     second = train_lora.settings_from_env(run_env(model_dir, tmp_path / "run2", MAX_STEPS="3", SAVE_STEPS="1"))
     with cpu_trainer_shims():
@@ -428,4 +447,4 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
         "Upload checkpoint-2", "Upload checkpoint-3", "Upload final adapter"]  # Steps 2 and 3 only: it resumed at 1.
     state = json.loads((tmp_path / "hub" / REPO / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
-    assert train_lora.complete_checkpoints(hub.list_repo_files(REPO)) == [1, 2, 3]
+    assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [1, 2, 3]

@@ -50,6 +50,7 @@ from tiny_lfm2 import save_tiny_model  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
+import adapter_repo  # noqa: E402
 import recipe  # noqa: E402
 import train_lora  # noqa: E402
 
@@ -110,7 +111,7 @@ class CrashingHub(LocalHub):
 
     def __init__(self, root: Path, crash_after: int, proxy: subprocess.Popen) -> None:
         super().__init__(root)
-        self.marker = f"checkpoint-{crash_after}/{train_lora.COMPLETE_MARKER}"
+        self.marker = f"checkpoint-{crash_after}/{adapter_repo.COMPLETE_MARKER}"
         self.proxy = proxy
 
     def create_commit(self, repo_id: str, operations: list[object], **kwargs: Any) -> Any:
@@ -208,7 +209,7 @@ def main(argv: list[str] | None = None) -> int:
         hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy) if args.crash_after_checkpoint
                else LocalHub(workdir / "hub"))
         settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, capture_url, args))
-        resumable = (train_lora.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
+        resumable = (adapter_repo.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
         (workdir / "sandboxes").mkdir(exist_ok=True)
         faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)

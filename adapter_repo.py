@@ -1,0 +1,254 @@
+"""The adapter repo on the Hub: its layout, and the one way every script writes to it.
+
+    checkpoint-N/...                          one commit per checkpoint; its last file is COMPLETE_MARKER
+    adapter_model.safetensors, ...            the final adapter at the root, one commit when training ends
+    eval/final_results.json                   full eval (eval_adapter.py) of the final adapter, all test tasks
+    eval/checkpoint-N_full_results.json       full eval of checkpoint-N
+    eval/watch/base.json, eval/watch/<checkpoint>.json   the watcher's cells on its fixed subset (eval_watch.py)
+    eval/summary.json, eval/learning_curve.png           the watcher's rolling summary and curve
+
+Each file has one writer, so two writers never mix schemas or task sets in one file. Every write is one
+commit, retried only on what is transient (HTTP 408/429/5xx, connection errors, timeouts; 412 when a
+compare-and-swap lost a race); anything else stops at once with one line. Imports only the standard
+library, recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import re
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from pathlib import Path
+from typing import Any
+
+import recipe
+
+logger = logging.getLogger("adapter_repo")
+
+# --- Layout ----------------------------------------------------------------------------------------------------------
+CHECKPOINT_PREFIX = "checkpoint-"
+# The last file of the single commit that uploads checkpoint-N/, listing every file with its size: only a folder
+# holding it (and the adapter) is complete, so resume, eval and export never load a partial upload.
+COMPLETE_MARKER = "checkpoint_complete.json"
+FINAL = "final"
+ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
+# Left out of the final adapter at the root (training state stays in the checkpoints; export writes README.md).
+FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json", "rollout_state.json", "README.md")
+EVAL_DIR = "eval"
+WATCH_DIR = f"{EVAL_DIR}/watch"
+WATCH_BASE_PATH = f"{WATCH_DIR}/base.json"
+SUMMARY_PATH = f"{EVAL_DIR}/summary.json"
+CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
+_CHECKPOINT = rf"{FINAL}|{CHECKPOINT_PREFIX}[1-9][0-9]*"
+_WATCH_RESULTS = re.compile(rf"^{WATCH_DIR}/({_CHECKPOINT})\.json$")
+
+
+def is_checkpoint(name: str) -> bool:
+    """Whether `name` is one the trainer pushes: "final" or checkpoint-N."""
+    return re.fullmatch(_CHECKPOINT, name) is not None
+
+
+def checkpoint_name(step: int) -> str:
+    """The folder the trainer pushes step `step` to."""
+    return f"{CHECKPOINT_PREFIX}{step}"
+
+
+def adapter_folder(checkpoint: str) -> str:
+    """Folder in the repo holding `checkpoint`'s adapter: the root for the final adapter."""
+    return "" if checkpoint == FINAL else checkpoint
+
+
+def complete_checkpoints(files: Iterable[str]) -> list[int]:
+    """Steps N whose checkpoint-N/ holds the completion marker and the adapter, oldest first."""
+    present = set(files)
+    steps = []
+    for path in present:
+        folder, _, name = path.partition("/")
+        step = folder.removeprefix(CHECKPOINT_PREFIX)
+        if name == COMPLETE_MARKER and folder.startswith(CHECKPOINT_PREFIX) and step.isdigit() and {
+                f"{folder}/{file}" for file in ADAPTER_FILES} <= present:
+            steps.append(int(step))
+    return sorted(steps)
+
+
+def checkpoint_complete(files: Iterable[str], checkpoint: str) -> bool:
+    """Whether `checkpoint` ("final" or checkpoint-N) has finished uploading: the one rule every reader uses."""
+    present = list(files)
+    if checkpoint == FINAL:
+        return set(ADAPTER_FILES) <= set(present)
+    step = checkpoint.removeprefix(CHECKPOINT_PREFIX)
+    return step.isdigit() and int(step) in complete_checkpoints(present)
+
+
+def full_results_path(checkpoint: str) -> str:
+    """Where eval_adapter.py's base-vs-adapter eval of `checkpoint` on every test task lives."""
+    name = "final_results.json" if checkpoint == FINAL else f"{checkpoint}_full_results.json"
+    return f"{EVAL_DIR}/{name}"
+
+
+def watch_results_path(checkpoint: str) -> str:
+    """Where eval_watch.py keeps `checkpoint`'s cells on its fixed subset (never a full eval's file)."""
+    return f"{WATCH_DIR}/{checkpoint}.json"
+
+
+def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
+    """{checkpoint: path} of the watcher's per-checkpoint results among `files`."""
+    return {m.group(1): path for path in files if (m := _WATCH_RESULTS.match(path))}
+
+
+# --- Retry policy ----------------------------------------------------------------------------------------------------
+class PushError(RuntimeError):
+    """A write to the Hub failed for good: a permanent error, or a transient one that outlived every retry."""
+
+
+def http_status(error: BaseException) -> int | None:
+    """The HTTP status the Hub answered with, if `error` is the client's HTTP error."""
+    from huggingface_hub.errors import HfHubHTTPError
+
+    return error.response.status_code if isinstance(error, HfHubHTTPError) else None
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    """Connection failures and timeouts, as the installed client's own retry loop counts them.
+
+    huggingface_hub 1.x is built on httpx, 2.x on httpx2: take them from whichever its errors come from.
+    """
+    from huggingface_hub.errors import HTTPError
+
+    transport = importlib.import_module(HTTPError.__module__)
+    return (transport.TimeoutException, transport.NetworkError, transport.RemoteProtocolError, ConnectionError,
+            TimeoutError)
+
+
+def is_transient(error: BaseException) -> bool:
+    """Worth retrying: HTTP 408, 429 or 5xx, or the connection failed or timed out."""
+    status = http_status(error)
+    if status is not None:
+        return status in (408, 429) or status >= 500
+    return isinstance(error, _transport_errors())
+
+
+def describe(error: BaseException) -> str:
+    """One line: the HTTP status and the Hub's message, or the error's type and first line."""
+    status = http_status(error)
+    message = getattr(error, "server_message", None) or next(
+        (line.strip() for line in str(error).splitlines() if line.strip()), "")
+    return f"HTTP {status}: {message}" if status is not None else f"{type(error).__name__}: {message}"
+
+
+_HINTS = {401: "check HF_TOKEN (is it valid?)", 403: "check that HF_TOKEN can write to the repo (a write token)",
+          404: "check the repo id, and that HF_TOKEN can see it"}
+
+
+def with_retries[T](what: str, action: Callable[[], T], *, compare_and_swap: bool = False,
+                 backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> T:
+    """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on transient errors.
+
+    With `compare_and_swap`, HTTP 412 (the head moved under the commit) is tried again at once. Any other
+    error raises PushError with one line at once: retrying a 403 or a bug only hides it for minutes.
+    """
+    attempt = 1
+    while True:
+        try:
+            return action()
+        except Exception as error:  # noqa: BLE001 - sorted below: retried, or reported in one line
+            status = http_status(error)
+            raced = compare_and_swap and status == 412
+            if not raced and not is_transient(error):
+                hint = f": {_HINTS[status]}" if status in _HINTS else ""
+                raise PushError(f"{what} failed ({describe(error)}){hint}") from error
+            if attempt >= recipe.PUSH_RETRIES:
+                raise PushError(f"{what} failed {attempt} times, last error: {describe(error)}") from error
+            wait = 0.0 if raced else backoff_s * 2 ** (attempt - 1)
+            logger.warning("push attempt %d/%d failed (%s); retrying in %.0fs", attempt, recipe.PUSH_RETRIES,
+                           describe(error), wait)
+            (sleep or time.sleep)(wait)
+            attempt += 1
+
+
+# --- Writes ----------------------------------------------------------------------------------------------------------
+def commit(api: Any, repo_id: str, operations: list[Any], message: str, *, backoff_s: float = recipe.PUSH_BACKOFF_S,
+           sleep: Callable[[float], None] | None = None) -> str:
+    """Commit `operations` in one commit (retried as above); return the commit id (`CommitInfo.oid`)."""
+    return with_retries(f"commit {message!r} to {repo_id}",
+                        lambda: api.create_commit(repo_id, operations, commit_message=message).oid,
+                        backoff_s=backoff_s, sleep=sleep)
+
+
+def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str, *,
+               sleep: Callable[[float], None] | None = None) -> str:
+    """Commit the files `build(head)` returns on top of `head`, rebuilding from the new head if it moved.
+
+    `parent_commit` makes the Hub refuse (HTTP 412) a commit whose parent is no longer the head, so two
+    writers never overwrite each other's view: the loser rebuilds. Returns the commit id.
+    """
+    from huggingface_hub import CommitOperationAdd
+
+    def attempt() -> str:
+        head = api.repo_info(repo_id).sha
+        ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=data) for p, data in build(head).items()]
+        return api.create_commit(repo_id, ops, commit_message=message, parent_commit=head).oid
+
+    return with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True, sleep=sleep)
+
+
+def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, ignore: tuple[str, ...] = (),
+                marker: bool = False, backoff_s: float = recipe.PUSH_BACKOFF_S,
+                sleep: Callable[[float], None] | None = None) -> list[str]:
+    """Upload `folder` as one commit (it lands whole or not at all); return the repo paths written.
+
+    With `marker`, the commit ends with COMPLETE_MARKER listing every file and its size.
+    """
+    from huggingface_hub import CommitOperationAdd
+
+    files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(p.match(g) for g in ignore))
+    prefix = f"{path_in_repo.strip('/')}/" if path_in_repo.strip("/") else ""
+    ops = [CommitOperationAdd(f"{prefix}{p.relative_to(folder).as_posix()}", str(p)) for p in files]
+    if marker:
+        listing = {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
+        ops.append(CommitOperationAdd(f"{prefix}{COMPLETE_MARKER}", json.dumps({"files": listing}).encode()))
+    commit(api, repo_id, ops, f"Upload {path_in_repo.strip('/') or 'final adapter'}", backoff_s=backoff_s,
+           sleep=sleep)
+    logger.info("pushed %s to %s (%d files)", path_in_repo or "/", repo_id, len(ops))
+    return [op.path_in_repo for op in ops]
+
+
+# --- Reads -----------------------------------------------------------------------------------------------------------
+def read_json(api: Any, repo_id: str, path: str, revision: str | None = None) -> dict[str, Any] | None:
+    """A JSON file from the repo at `revision`, or None if it is not there."""
+    if path not in api.list_repo_files(repo_id, revision=revision):
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        local = api.hf_hub_download(repo_id=repo_id, filename=path, local_dir=tmp, revision=revision)
+        return json.loads(Path(local).read_text())
+
+
+def download_adapter(api: Any, repo_id: str, checkpoint: str, dest: Path, revision: str | None = None) -> Path:
+    """Download only `checkpoint`'s adapter files into `dest`; refuse an incomplete upload."""
+    folder = adapter_folder(checkpoint)
+    if not checkpoint_complete(api.list_repo_files(repo_id, revision=revision), checkpoint):
+        raise recipe.ConfigError(
+            f"{repo_id} has no complete adapter for {checkpoint!r} ({folder or 'repo root'} lacks the adapter "
+            "or its completion marker): check CHECKPOINT, or wait for the upload to finish"
+        )
+    for name in ADAPTER_FILES:
+        path = f"{folder}/{name}" if folder else name
+        api.hf_hub_download(repo_id=repo_id, filename=path, local_dir=str(dest), revision=revision)
+    return dest / folder if folder else dest
+
+
+def download_checkpoint(api: Any, repo_id: str, step: int, dest: Path) -> Path:
+    """Download checkpoint-`step`/ into `dest` and check every file against its marker's listing."""
+    folder = checkpoint_name(step)
+    api.snapshot_download(repo_id, local_dir=str(dest), allow_patterns=[f"{folder}/*"])
+    local = dest / folder
+    listing = json.loads((local / COMPLETE_MARKER).read_text())["files"]
+    wrong = [name for name, size in listing.items()
+             if not (local / name).is_file() or (local / name).stat().st_size != size]
+    if wrong:
+        raise PushError(f"downloaded {repo_id}/{folder} does not match its marker ({', '.join(wrong[:3])}): rerun")
+    return local

@@ -1,0 +1,113 @@
+"""adapter_repo.py: the layout's names, and the retry policy against the errors the real Hub client raises."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from hub_double import LocalHub, raise_hub_error
+
+import adapter_repo as ar
+import recipe
+
+REPO = "alice/LFM2.5-2.6B-opencode-lora-RL"
+TRANSIENT = [408, 429, 500, 502, 503, 504]
+PERMANENT = [400, 401, 403, 404, 409, 422]
+
+
+@pytest.fixture()
+def hub(tmp_path):
+    api = LocalHub(tmp_path / "hub")
+    api.create_repo(REPO)
+    return api
+
+
+def failing(errors: list[BaseException]):
+    """An action that raises each of `errors` in turn, then returns "done"; counts its calls."""
+    calls = []
+
+    def action() -> str:
+        calls.append(1)
+        if errors:
+            raise errors.pop(0)
+        return "done"
+
+    return action, calls
+
+
+def hub_error(status: int) -> Exception:
+    try:
+        raise_hub_error(status, f"https://huggingface.co/api/models/{REPO}/commit/main", "x", method="POST")
+    except Exception as error:  # noqa: BLE001 - the real client's exception for `status`, kept to raise later
+        return error
+    raise AssertionError(f"hf_raise_for_status did not raise for {status}")
+
+
+@pytest.mark.parametrize("error", [hub_error(s) for s in TRANSIENT] + [
+    httpx.ConnectError("connection refused"), httpx.ReadTimeout("timed out"), httpx.RemoteProtocolError("eof")],
+    ids=[str(s) for s in TRANSIENT] + ["connect", "read-timeout", "protocol"])
+def test_transient_failures_are_retried_with_doubling_waits(error):
+    waits: list[float] = []
+    action, calls = failing([error, error])
+    assert ar.with_retries("push", action, backoff_s=2, sleep=waits.append) == "done"
+    assert len(calls) == 3 and waits == [2, 4]
+
+
+@pytest.mark.parametrize("error", [hub_error(s) for s in PERMANENT] + [AttributeError("no attribute 'sha'")],
+                         ids=[str(s) for s in PERMANENT] + ["bug"])
+def test_anything_else_stops_at_once_with_one_line(error):
+    waits: list[float] = []
+    action, calls = failing([error])
+    with pytest.raises(ar.PushError) as caught:
+        ar.with_retries("commit 'x' to you/repo", action, sleep=waits.append)
+    assert len(calls) == 1 and waits == []
+    message = str(caught.value)
+    assert message.startswith("commit 'x' to you/repo failed (") and "\n" not in message
+    assert type(error).__name__ in message or f"HTTP {ar.http_status(error)}" in message
+
+
+def test_a_transient_failure_that_outlives_every_retry_is_reported():
+    action, calls = failing([hub_error(503)] * recipe.PUSH_RETRIES)
+    with pytest.raises(ar.PushError, match=f"failed {recipe.PUSH_RETRIES} times, last error: HTTP 503"):
+        ar.with_retries("push", action, sleep=lambda s: None)
+    assert len(calls) == recipe.PUSH_RETRIES
+
+
+def test_412_is_a_lost_race_only_for_a_compare_and_swap():
+    waits: list[float] = []
+    action, calls = failing([hub_error(412)])
+    assert ar.with_retries("cas", action, compare_and_swap=True, sleep=waits.append) == "done"
+    assert waits == [0.0] and len(calls) == 2
+    with pytest.raises(ar.PushError, match="HTTP 412"):
+        ar.with_retries("plain", failing([hub_error(412)])[0], sleep=waits.append)
+
+
+def test_compare_and_swap_rebuilds_on_the_new_head_and_returns_its_commit(hub):
+    heads = []
+
+    def build(head: str) -> dict[str, bytes]:
+        heads.append(head)
+        if len(heads) == 1:  # another writer commits between this read and this commit
+            hub.upload_file(path_or_fileobj=b"theirs", path_in_repo="eval/other.json", repo_id=REPO)
+        return {"eval/mine.json": json.dumps({"seen": head}).encode()}
+
+    oid = ar.commit_cas(hub, REPO, build, "eval: mine", sleep=lambda s: None)
+    assert oid == hub.repo_info(REPO).sha and heads[0] != heads[1]
+    assert json.loads((hub.root / REPO / "eval/mine.json").read_text()) == {"seen": heads[1]}
+    assert (hub.root / REPO / "eval/other.json").read_bytes() == b"theirs"
+
+
+def test_the_watcher_and_the_full_eval_never_share_a_file():
+    names = [ar.FINAL, *(ar.checkpoint_name(s) for s in (1, 100, 1000))]
+    full = {ar.full_results_path(n) for n in names}
+    watch = {ar.watch_results_path(n) for n in names} | {ar.WATCH_BASE_PATH}
+    assert len(full) == len(names) and len(watch) == len(names) + 1
+    assert not full & (watch | {ar.SUMMARY_PATH, ar.CURVE_PATH})
+    assert ar.watched_checkpoints([*full, *watch, ar.SUMMARY_PATH]) == {n: ar.watch_results_path(n) for n in names}
+
+
+@pytest.mark.parametrize(("name", "ok"), [("final", True), ("checkpoint-300", True), ("checkpoint-0", False),
+                                          ("checkpoint-", False), ("step-5", False), ("checkpoint-3/..", False)])
+def test_checkpoint_names(name, ok):
+    assert ar.is_checkpoint(name) is ok

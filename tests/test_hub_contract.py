@@ -1,0 +1,108 @@
+"""The Hub double against the real client: a call the real `HfApi` would refuse, or a result it would not
+return, fails here instead of on the user's first job.
+
+For every `HfApi` method a script calls (`api.<method>(` in any top-level script) and every method the double
+has: its parameters are a subset of the installed `HfApi` method's (same names, kinds and defaults, no
+`**kwargs`), every parameter the real one requires is there, and what it returns is an instance of the real
+method's annotated return type. `run_job` is checked against huggingface_hub 2.4.0 (launch.py's environment).
+"""
+
+from __future__ import annotations
+
+import builtins
+import inspect
+import re
+from pathlib import Path
+
+import huggingface_hub
+import pytest
+from huggingface_hub import CommitOperationAdd, HfApi, hf_api
+
+import launch
+from tests.hub_double import LocalHub
+
+ROOT = Path(__file__).resolve().parents[1]
+REPO = "alice/contract"
+# `HfApi.run_job` in huggingface_hub 2.4.0 (hf_api.py), read off the wheel: every parameter is keyword-only.
+RUN_JOB_2_4_0 = {
+    "image": inspect.Parameter.empty, "command": inspect.Parameter.empty, "env": None, "secrets": None,
+    "flavor": None, "timeout": None, "attempts": None, "name": None, "labels": None, "volumes": None,
+    "expose": None, "expose_public": None, "ssh": False, "network_group": None, "network_aliases": None,
+    "resource_group_id": None, "namespace": None, "token": None,
+}
+
+
+def called_methods() -> set[str]:
+    """Every `api.<method>(` call in the top-level scripts."""
+    return {m for path in ROOT.glob("*.py") for m in re.findall(r"\bapi\.(\w+)\(", path.read_text())}
+
+
+def double_methods() -> set[str]:
+    return {name for name, _ in inspect.getmembers(LocalHub, inspect.isfunction) if not name.startswith("_")} - {
+        "head"}
+
+
+def params(function: object) -> dict[str, inspect.Parameter]:
+    return {n: p for n, p in inspect.signature(function).parameters.items() if n != "self"}
+
+
+def test_the_double_has_every_method_the_scripts_call():
+    assert called_methods() - double_methods() == set()
+    assert {"create_commit", "repo_info", "list_repo_files", "hf_hub_download", "run_job"} <= called_methods()
+
+
+@pytest.mark.parametrize("method", sorted(double_methods() - {"run_job"}))
+def test_the_double_accepts_only_what_the_real_client_accepts(method):
+    real, double = params(getattr(HfApi, method)), params(getattr(LocalHub, method))
+    assert not any(p.kind is p.VAR_KEYWORD for p in double.values()), "a catch-all hides calls the Hub refuses"
+    for name, p in double.items():
+        assert name in real, f"HfApi.{method} has no parameter {name!r}"
+        assert (p.kind, p.default) == (real[name].kind, real[name].default), name
+    required = {n for n, p in real.items() if p.default is p.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)}
+    assert required <= set(double), f"the real {method} requires {required - set(double)}"
+
+
+def test_run_job_matches_the_launchers_huggingface_hub():
+    double = params(LocalHub.run_job)
+    assert all(p.kind is p.KEYWORD_ONLY for p in double.values())
+    assert {n: p.default for n, p in double.items()} == {n: RUN_JOB_2_4_0[n] for n in double}
+    spec = launch.job_spec("train", "alice/code", "0" * 40, {}, {"HF_TOKEN": "x"})
+    assert {*spec, "token"} <= set(double)
+    assert "expose_public" not in params(HfApi.run_job)  # why launch.py refuses the 1.x installed here
+
+
+def returned_types(method: str) -> tuple[type, ...]:
+    """The classes named in the installed method's return annotation (Future and dry-run results left out)."""
+    annotation = inspect.signature(getattr(HfApi, method)).return_annotation
+    names = [n.strip().split("[")[0] for n in str(annotation).split("|")]
+    found = tuple(t for n in names if isinstance(t := vars(hf_api).get(n, getattr(builtins, n, None)), type))
+    assert found, f"cannot resolve {annotation!r}"
+    return found
+
+
+def calls(hub: LocalHub, tmp_path: Path) -> dict[str, object]:
+    """One real-shaped call of each double method, in an order that makes each one succeed."""
+    (tmp_path / "folder").mkdir()
+    (tmp_path / "folder" / "a.txt").write_text("a")
+    out = {"create_repo": hub.create_repo(REPO, private=True, exist_ok=True)}
+    out["create_commit"] = hub.create_commit(REPO, [CommitOperationAdd("x.json", b"{}")], commit_message="m")
+    out["upload_file"] = hub.upload_file(path_or_fileobj=b"1", path_in_repo="y.txt", repo_id=REPO)
+    out["upload_folder"] = hub.upload_folder(repo_id=REPO, folder_path=tmp_path / "folder", path_in_repo="f")
+    out["repo_info"] = hub.repo_info(REPO)
+    out["list_repo_files"] = hub.list_repo_files(REPO)
+    out["file_exists"] = hub.file_exists(REPO, "x.json")
+    out["hf_hub_download"] = hub.hf_hub_download(REPO, "x.json", local_dir=tmp_path / "dl")
+    out["snapshot_download"] = hub.snapshot_download(REPO, local_dir=tmp_path / "snap", allow_patterns=["f/*"])
+    out["run_job"] = hub.run_job(image="i", command=["true"], token="t")
+    return out
+
+
+def test_the_double_returns_the_real_annotated_types(tmp_path):
+    results = calls(LocalHub(tmp_path / "hub"), tmp_path)
+    assert set(results) == double_methods()
+    for method, result in results.items():
+        assert isinstance(result, returned_types(method)), (method, type(result))
+    commit = results["create_commit"]
+    assert isinstance(commit, huggingface_hub.CommitInfo) and not hasattr(commit, "sha")
+    assert re.fullmatch(r"[0-9a-f]{40}", commit.oid)
+    assert results["repo_info"].sha == results["upload_folder"].oid  # the head is the last commit's id
