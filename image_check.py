@@ -60,16 +60,22 @@ def unaccepted(breaks: list[Break]) -> list[Break]:
     return [b for b in breaks if (b.package, b.dependency) not in accepted]
 
 
-def vllm_constraints(transformers_pin: str, dist: metadata.Distribution | None = None) -> list[str]:
-    """Constraint lines that keep the install step inside vLLM's declared requirements (see module doc)."""
+def _installed(name: str, path: list[str] | None) -> metadata.Distribution | None:
+    return next(iter(metadata.distributions(name=name, path=path if path is not None else sys.path)), None)
+
+
+def vllm_constraints(transformers_pin: str, path: list[str] | None = None) -> list[str]:
+    """Constraint lines that keep the install step inside vLLM's declared requirements (see module doc);
+    `path` is where to look for the installed packages (default: this interpreter's)."""
     from packaging.requirements import Requirement
 
-    vllm = dist or metadata.distribution("vllm")
+    vllm = _installed("vllm", path)
+    if vllm is None:
+        sys.exit(f"vllm is not installed: run in the {recipe.VLLM_IMAGE} image")
     lines = [transformers_pin, f"vllm=={vllm.version}"]
-    try:
-        lines.append(f"torch=={metadata.version('torch')}")
-    except metadata.PackageNotFoundError:
-        pass
+    torch = _installed("torch", path)
+    if torch is not None:
+        lines.append(f"torch=={torch.version}")
     skip = {_norm(dep) for pkg, dep in recipe.PIP_CHECK_ACCEPTED if _norm(pkg) == "vllm"}
     skip |= {"torch", "transformers", "vllm"}
     for text in vllm.requires or []:
