@@ -103,5 +103,14 @@ def test_parse_pip_check_lines(line, expected):
     assert (found.package, found.dependency) == expected and found.line == line
 
 
+def test_tests_run_the_jobs_torch(resolution):
+    """requirements-dev.txt pins the torch vLLM pins in the image, and this venv has it."""
+    import torch
+    from packaging.version import Version
+
+    assert Version(torch.__version__).base_version == resolution["image"]["torch"] == resolution["after"]["torch"][
+        "version"], "pin requirements-dev.txt's torch to the image's and rerun bash setup.sh"
+
+
 def test_clean_pip_check_has_no_breaks():
     assert image_check.parse_pip_check("No broken requirements found.\n") == []
