@@ -3,7 +3,7 @@
 `run_job.sh` installs the training stack into the `vllm/vllm-openai` image. pip resolves only what it is
 asked to install, so without help it would move packages vLLM needs out of vLLM's own ranges. Hence:
 
-    python3 image_check.py constraints TRANSFORMERS_PIN > constraints.txt
+    vllm_constraints(TRANSFORMERS_PIN)   (common.sh writes them to the install step's constraints file)
         vllm and torch at the installed versions, plus every requirement vLLM declares (its own specifier),
         except the breaks recipe.PIP_CHECK_ACCEPTED lists: pip must stay inside vLLM's ranges or fail.
     python3 -m pip check | python3 image_check.py pip-check
@@ -88,9 +88,6 @@ def vllm_constraints(transformers_pin: str, path: list[str] | None = None) -> li
 
 
 def main(argv: list[str]) -> int:
-    if argv[:1] == ["constraints"] and len(argv) == 2:
-        print("\n".join(vllm_constraints(argv[1])))
-        return 0
     if argv == ["pip-check"]:
         left = unaccepted(parse_pip_check(sys.stdin.read()))
         if left:
@@ -98,7 +95,7 @@ def main(argv: list[str]) -> int:
                      f"({left[0].package!r}, {left[0].dependency!r}) in recipe.PIP_CHECK_ACCEPTED with the evidence "
                      "that our path does not need it)")
         return 0
-    sys.exit("usage: image_check.py constraints TRANSFORMERS_PIN | image_check.py pip-check < pip-check-output")
+    sys.exit("usage: python3 -m pip check | python3 image_check.py pip-check")
 
 
 if __name__ == "__main__":
