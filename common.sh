@@ -129,8 +129,10 @@ resolve_public_host() {
   CAPTURE_URL="https://$PUBLIC_HOSTNAME/capture"
 }
 
-# install_stack: the pinned stack next to vLLM's own (vllm and torch held at the image's versions,
-# transformers --no-deps), then every pin and vllm==VLLM_VERSION checked, with the versions found on failure.
+# install_stack: the pinned stack next to vLLM's own (vllm and torch held at the image's versions, every
+# requirement vLLM declares held in its range, transformers --no-deps), then every pin and vllm==VLLM_VERSION
+# checked (versions printed on failure), `pip check` clean but for recipe.PIP_CHECK_ACCEPTED, and vLLM's API
+# server importable: all before any GPU work.
 install_stack() {
   local req="$HERE/requirements.txt" tf_pin
   tf_pin="$(grep -E '^transformers==' "$req")" || die "requirements.txt has no transformers== pin"
@@ -144,44 +146,48 @@ install_stack() {
     do_cmd apt-get install -y -qq --no-install-recommends "${tools[@]}"
   fi
   if dry_run; then
-    echo "  write $WORK_DIR/constraints.txt: vllm and torch at the image's versions, $tf_pin"
+    echo "  write $WORK_DIR/constraints.txt: $tf_pin, vllm and torch at the image's versions, vLLM's own requirement ranges"
   else
-    "$PYTHON" - "$WORK_DIR/constraints.txt" "$tf_pin" <<'EOF'
-import sys
-from importlib import metadata
-
-pins = [sys.argv[2]]
-for name in ("vllm", "torch"):
-    try:
-        pins.append(f"{name}=={metadata.version(name)}")
-    except metadata.PackageNotFoundError:
-        pass
-open(sys.argv[1], "w").write("\n".join(pins) + "\n")
-EOF
+    py_check 'import image_check; open(sys.argv[2], "w").write("\n".join(image_check.vllm_constraints(sys.argv[3])) + "\n")' \
+      "$WORK_DIR/constraints.txt" "$tf_pin"
     grep -vE '^transformers' "$req" >"$WORK_DIR/requirements-rest.txt"
   fi
   do_cmd "$PYTHON" -m pip install -q --no-deps "$tf_pin"
   do_cmd "$PYTHON" -m pip install -q -c "$WORK_DIR/constraints.txt" -r "$WORK_DIR/requirements-rest.txt"
-  if dry_run; then STEP_NOTE="then check every pin and vllm==$(recipe VLLM_VERSION)"; return 0; fi
+  if dry_run; then
+    STEP_NOTE="then check every pin and vllm==$(recipe VLLM_VERSION), pip check (less recipe.PIP_CHECK_ACCEPTED), import vllm.entrypoints.openai.api_server"
+    return 0
+  fi
   py_check 'from importlib import metadata
+from packaging.version import InvalidVersion, Version
 import recipe
 def found(name):
     try:
         return metadata.version(name)
     except metadata.PackageNotFoundError:
         return "missing"
+def base(version):
+    try:
+        return Version(version).base_version
+    except InvalidVersion:
+        return version
 names = [*recipe.pinned_versions(), "vllm", "torch"]
 versions = ", ".join(f"{n} {found(n)}" for n in names)
 vllm = found("vllm")
 try:
     recipe.check_versions(tuple(recipe.pinned_versions()))
-    if vllm != recipe.VLLM_VERSION:
+    if base(vllm) != recipe.VLLM_VERSION:
         raise recipe.ConfigError(f"vllm {vllm} is installed, the recipe needs vllm=={recipe.VLLM_VERSION} "
                                  f"(use the {recipe.VLLM_IMAGE} image)")
 except recipe.ConfigError as exc:
     sys.exit(f"{exc}; versions found: {versions}")
 print(f"  versions: {versions}")'
-  STEP_NOTE="pinned stack installed and checked"
+  local report
+  report="$("$PYTHON" -m pip check 2>&1)" || true  # non-zero when it finds breaks: image_check.py judges them
+  report="$(printf '%s\n' "$report" | "$PYTHON" "$HERE/image_check.py" pip-check 2>&1)" || die "$(tail -n 1 <<<"$report")"
+  report="$("$PYTHON" -c 'import vllm.entrypoints.openai.api_server' 2>&1)" \
+    || die "vLLM's API server does not import after the install step: $(tail -n 1 <<<"$report")"
+  STEP_NOTE="pinned stack installed and checked; pip check clean but for recipe.PIP_CHECK_ACCEPTED; vLLM's API server imports"
 }
 
 # on_exit: the EXIT trap of a job script: kills every child process group, says the script failed if it did.

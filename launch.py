@@ -48,8 +48,8 @@ APP_DIR = "/app"
 # tests/, benchmarks/, .venv or caches (the globs are not recursive).
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
-COMMON_FILES = ("recipe.py", "common.sh", "requirements.txt", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
-                "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py")
+COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
+                "adapter_repo.py", "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py")
 # Backends other than the default (recipe.SANDBOX, HF Sandboxes under HF_TOKEN), and the secret each needs.
 SANDBOX_KEYS = {"daytona": "DAYTONA_API_KEY", "e2b": "E2B_API_KEY"}
 REDACTED = "<redacted>"
@@ -58,9 +58,9 @@ _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py"),
+    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py"),
+    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.SMOKE_TIMEOUT},
     "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
                    "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},

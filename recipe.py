@@ -32,6 +32,13 @@ ADAPTER_SERVED_NAME = "opencode-lora"
 # Top of trl 1.15's supported vLLM band; ships the lfm2 tool parser.
 VLLM_IMAGE = "vllm/vllm-openai:v0.31.0"
 VLLM_VERSION = "0.31.0"
+# `pip check` breaks the job accepts after installing the training stack into that image, as (package,
+# dependency), each with the evidence that our path does not need it (image_check.py enforces the rest;
+# tests/image_resolution.json is pip's answer for the whole install step, tests/test_image_install.py checks it).
+# - vllm needs mcp>=2,<3, but openenv 0.10 -> fastmcp>=3,<4 -> mcp<2 downgrades it: vLLM 0.31 imports mcp only
+#   inside its MCP tool server (entrypoints/mcp/tool_server.py, lazily) and under TYPE_CHECKING; our serve flags
+#   never start that server, and vllm.entrypoints.openai.api_server imports with the job's mcp (tested).
+PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)
 # Every SmolDataEnvs task builds FROM this image; the hf-sandbox backend needs it named in task.toml.
 TASK_IMAGE = "docker.io/savatar101/env-data-agent-train:base"
 

@@ -73,14 +73,15 @@ clone_openenv() {
     return 0
   fi
   echo "$dir/envs" >"$site/openenv_envs.pth"
-  # TRL 1.15 checks sessions against openenv's runtime-checkable TrainableSession: method presence.
-  py_check 'import site
-site.addsitedir(sys.argv[2])
-commit = sys.argv[3]
+  # A fresh interpreter with no path of its own: the import proves the .pth is read at start-up, as the env
+  # server and the trainer will read it. TRL 1.15 checks sessions against openenv's runtime-checkable
+  # TrainableSession: method presence.
+  py_check 'site, commit = sys.argv[2], sys.argv[3]
 try:
     from harbor_env.harness import HarborSession, HarborSessionFactory  # noqa: F401
 except Exception as exc:
-    sys.exit(f"OpenEnv {commit}: harbor_env.harness does not import ({type(exc).__name__}: {exc})")
+    sys.exit(f"OpenEnv {commit}: harbor_env.harness does not import at interpreter start ({type(exc).__name__}: "
+             f"{exc}); is {site} a site-packages folder this python reads .pth files from? Set SITE_PACKAGES")
 if not all(callable(getattr(HarborSession, m, None)) for m in ("wait_for_completion", "fetch_training_trace")):
     sys.exit(f"OpenEnv {commit}: harbor_env.harness.HarborSession has no fetch_training_trace(), which TRL 1.15 "
              "requires for loop-owning training: set OPENENV_COMMIT to a commit that has it")' "$site" "$OPENENV_COMMIT"

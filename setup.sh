@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One-time local set-up: find a Python >= 3.12 (Harbor needs it), create .venv, install the pinned
-# stack plus test tools. Usage: bash setup.sh
+# stack plus test tools, the OpenCode client and vLLM's code for the CPU tests. Usage: bash setup.sh
 set -euo pipefail
 
 VENV="${VENV:-.venv}"
@@ -28,6 +28,17 @@ install_opencode() {
   npm install --silent --no-audit --no-fund --prefix .opencode "opencode-ai@$version"
 }
 
+# vLLM's own Python code, with the versions of its requirements the job will have (requirements-vllm.txt,
+# GPU-only wheels left out), in .vllm/ beside the venv: the tests run vLLM's parser and LoRA loader from it on
+# CPU (PYTHONPATH=.vllm), without touching the training venv. Reinstalled only when that file changes.
+install_vllm_code() {
+  local stamp=".vllm/requirements-vllm.txt"
+  if cmp -s requirements-vllm.txt "$stamp"; then return 0; fi
+  rm -rf .vllm
+  "$VENV/bin/python" -m pip install -q --no-deps --target .vllm -r requirements-vllm.txt
+  cp requirements-vllm.txt "$stamp"
+}
+
 main() {
   cd "$(dirname "$0")"
   local python
@@ -38,6 +49,7 @@ main() {
   "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
   "$VENV/bin/python" -m pip check || echo "setup.sh: pip check reported the conflicts above" >&2
   install_opencode
+  install_vllm_code
   echo "setup.sh: ready. Run the tests with: .venv/bin/python -m pytest"
 }
 

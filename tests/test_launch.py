@@ -33,8 +33,9 @@ EXPECTED = {
     "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100"}),
     "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final"}),
 }
-SCRIPTS = ["recipe.py", "common.sh", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py", "serve_policy.sh",
-           "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py", "weight_sync.py",
+SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
+           "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
+           "weight_sync.py", "rollout_guard.py",
            "run_eval_watch.sh", "eval_watch.py", "run_eval.sh", "launch.py", "export_adapter.py", "README.md",
            "requirements.txt"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])

@@ -22,8 +22,8 @@ import recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 STUBS = Path(__file__).resolve().parent / "stubs"
-REAL = ["run_job.sh", "common.sh", "recipe.py", "requirements.txt", "serve_policy.sh", "serve_env.sh",
-        "seam_patch.py", "capture_gateway.py", "rollout_guard.py"]
+REAL = ["run_job.sh", "common.sh", "recipe.py", "image_check.py", "requirements.txt", "serve_policy.sh",
+        "serve_env.sh", "seam_patch.py", "capture_gateway.py", "rollout_guard.py"]
 FAKES = {"train_lora.py": "fake_trainer.py", "prepare_tasks.py": "fake_prepare_tasks.py",
          "run_eval.sh": "fake_run_eval.sh"}
 SECRET = "hf_secret_token_value"
@@ -40,13 +40,14 @@ def job(tmp_path):
         shutil.copy(STUBS / fake, app / name)
     site = tmp_path / "site"
     fake_vllm(site, recipe.VLLM_VERSION)
+    startup_site(tmp_path / "startup", site)
     token = uuid.uuid4().hex
     ports = {"POLICY_PORT": free_port(), "ENV_PORT": free_port(), "PUBLIC_PORT": free_port()}
     env = {k: v for k, v in os.environ.items()
            if k not in {"HF_TOKEN", "SANDBOX", "DAYTONA_API_KEY", "E2B_API_KEY", "SPACE_HOST", "JOB_ID", "HF_JOB_ID"}}
     env.update(
         PATH=f"{STUBS / 'bin'}:{env['PATH']}", PYTHON=str(STUBS / "bin" / "python3"), REAL_PYTHON=sys.executable,
-        PYTHONPATH=str(site), SITE_PACKAGES=str(site), STUB_LOG=str(tmp_path / "stub.log"),
+        PYTHONPATH=str(tmp_path / "startup"), SITE_PACKAGES=str(site), STUB_LOG=str(tmp_path / "stub.log"),
         LOG_DIR=str(tmp_path / "logs"), WORK_DIR=str(tmp_path / "work"),
         ADAPTER_REPO="you/LFM2.5-2.6B-opencode-lora-RL",
         HF_TOKEN=SECRET, JOB_ID="job123", MAX_STEPS="3", PUBLIC_HOST="127.0.0.1", WATCH_INTERVAL="0.2",
@@ -57,10 +58,23 @@ def job(tmp_path):
 
 
 def fake_vllm(site: Path, version: str) -> None:
-    """vLLM cannot be installed here: its package metadata stands in for it (importlib.metadata reads it)."""
+    """vLLM's package metadata (importlib.metadata reads it) and an importable empty `vllm.entrypoints.openai.
+    api_server` stand in for the image's vLLM (tests/test_vllm_cpu.py imports the real one)."""
     dist = site / f"vllm-{version}.dist-info"
     dist.mkdir(parents=True, exist_ok=True)
-    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n")
+    (dist / "METADATA").write_text(f"Metadata-Version: 2.1\nName: vllm\nVersion: {version}\n"
+                                   "Requires-Dist: fastapi[standard]<0.137.0,>=0.133.0\nRequires-Dist: mcp<3,>=2\n")
+    api = site / "vllm" / "entrypoints" / "openai"
+    api.mkdir(parents=True, exist_ok=True)
+    for folder in (site / "vllm", site / "vllm" / "entrypoints", api):
+        (folder / "__init__.py").touch()
+    (api / "api_server.py").touch()
+
+
+def startup_site(folder: Path, site: Path) -> None:
+    """Makes `site` a site-packages folder read at interpreter start (its .pth files too), as the image's is."""
+    folder.mkdir()
+    (folder / "sitecustomize.py").write_text(f"import site\nsite.addsitedir({str(site)!r})\n")
 
 
 def run_job(job, timeout: float = 90, **extra: str) -> subprocess.CompletedProcess:
@@ -148,18 +162,22 @@ def test_full_run_in_order_and_cleans_up(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "trainer", "run_eval"], log
+    assert kinds == ["pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "trainer",
+                     "run_eval"], log
     assert log[0] == "pip install -q --no-deps transformers==5.17.0"
     assert log[1].startswith("pip install -q -c ")
+    assert log[2] == "pip check"
     constraints = (job["tmp"] / "work" / "constraints.txt").read_text().split()
     assert f"vllm=={recipe.VLLM_VERSION}" in constraints and "transformers==5.17.0" in constraints
     assert any(c.startswith("torch==") for c in constraints)
-    assert f"checkout --quiet {recipe.OPENENV_COMMIT}" in log[3]
-    assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in log[5] and "--host 127.0.0.1" in log[5]
+    # vLLM's own range holds the install step, except the accepted mcp break (fake_vllm declares both).
+    assert "fastapi<0.137.0,>=0.133.0" in constraints and not any(c.startswith("mcp") for c in constraints)
+    assert f"checkout --quiet {recipe.OPENENV_COMMIT}" in log[4]
+    assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in log[6] and "--host 127.0.0.1" in log[6]
     public = f"job123--{job['ports']['PUBLIC_PORT']}.hf.jobs"
-    assert f"SPACE_HOST={public}" in log[6] and "--host 127.0.0.1" in log[6]
-    assert "CUDA_VISIBLE_DEVICES=0" in log[7] and "HF_TOKEN_SET=True" in log[7] and "MAX_STEPS=3" in log[7]
-    assert log[8] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
+    assert f"SPACE_HOST={public}" in log[7] and "--host 127.0.0.1" in log[7]
+    assert "CUDA_VISIBLE_DEVICES=0" in log[8] and "HF_TOKEN_SET=True" in log[8] and "MAX_STEPS=3" in log[8]
+    assert log[9] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
                      "training_vllm=down"
     for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
                               "watchdog", "train", "final-eval"]):
@@ -273,6 +291,48 @@ def test_vllm_outside_version_window_stops_job_with_versions(job):
     assert f"vllm 0.30.0 is installed, the recipe needs vllm=={recipe.VLLM_VERSION}" in message
     assert "versions found: trl 1.15.0" in message and "transformers 5.17.0" in message
     assert not any(line.startswith("git") for line in stub_log(job))
+
+
+def test_vllm_build_with_local_version_suffix_passes(job):
+    shutil.rmtree(job["tmp"] / "site" / f"vllm-{recipe.VLLM_VERSION}.dist-info")
+    fake_vllm(job["tmp"] / "site", f"{recipe.VLLM_VERSION}+cu130")  # how a CUDA build may name itself
+    out = run_job(job, FINAL_EVAL="0")
+    assert out.returncode == 0, out.stderr
+    assert f"vllm {recipe.VLLM_VERSION}+cu130" in out.stdout  # the versions line
+
+
+def test_pth_not_read_at_interpreter_start_stops_job(job, tmp_path):
+    elsewhere = tmp_path / "not-a-site-dir"  # no interpreter reads .pth files from here at start-up
+    elsewhere.mkdir()
+    out = run_job(job, SITE_PACKAGES=str(elsewhere))
+    assert out.returncode != 0
+    message = out.stderr.strip().splitlines()[-1]
+    assert "harbor_env.harness does not import at interpreter start" in message and str(elsewhere) in message
+    assert not any(line.startswith("vllm") for line in stub_log(job))
+
+
+def test_pip_check_break_stops_job_naming_the_package(job):
+    broken = "vllm 0.31.0 has requirement fastapi<0.137.0,>=0.133.0, but you have fastapi 0.165.0."
+    out = run_job(job, STUB_PIP_CHECK=broken)
+    assert out.returncode != 0
+    message = out.stderr.strip().splitlines()[-1]
+    assert "the install step broke a requirement: " + broken in message and "PIP_CHECK_ACCEPTED" in message
+    assert not any(line.startswith(("git", "vllm")) for line in stub_log(job))
+
+
+def test_accepted_pip_check_break_passes(job):
+    out = run_job(job, FINAL_EVAL="0", STUB_PIP_CHECK="vllm 0.31.0 has requirement mcp<3.0.0,>=2.0.0, but you have "
+                                                       "mcp 1.30.0.")
+    assert out.returncode == 0, out.stderr
+
+
+def test_vllm_api_server_not_importing_stops_job(job):
+    (job["tmp"] / "site" / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text("import mcp.nonexistent\n")
+    out = run_job(job)
+    assert out.returncode != 0
+    message = out.stderr.strip().splitlines()[-1]
+    assert "vLLM's API server does not import after the install step" in message and "mcp.nonexistent" in message
+    assert not any(line.startswith(("git", "vllm")) for line in stub_log(job))
 
 
 # --- bad input stops the job at once, with one line ----------------------------------------------------
