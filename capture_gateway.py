@@ -93,7 +93,7 @@ def create_app(upstream: str) -> Starlette:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--listen-host", default=os.environ.get("GATEWAY_HOST", "0.0.0.0"))
-    parser.add_argument("--listen-port", type=int, default=int(os.environ.get("GATEWAY_PORT", recipe.PUBLIC_PORT)))
+    parser.add_argument("--listen-port", type=int, default=os.environ.get("GATEWAY_PORT", str(recipe.PUBLIC_PORT)))
     parser.add_argument(
         "--upstream",
         default=os.environ.get("GATEWAY_UPSTREAM", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"),

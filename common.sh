@@ -13,8 +13,17 @@ die() { printf '[%s] ERROR: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; exit 1; }
 # Prints one knob from recipe.py (the single source of truth for numbers).
 recipe() { "$PYTHON" "$HERE/recipe.py" "$@"; }
 
-# True when DRY_RUN=1: commands are printed, not run.
-dry_run() { [ "${DRY_RUN:-0}" = "1" ]; }
+# env_knobs NAME...: checks each knob with recipe.py's check (the one launch.py and the Python side run) and sets
+# it to the checked value (flags become 1 or 0; unset or empty: the recipe default); a bad one stops here with its fix.
+env_knobs() {
+  local out line
+  out="$(recipe --env "$@" 2>&1)" || die "$(tail -n 1 <<<"$out")"
+  while IFS= read -r line; do printf -v "${line%%=*}" '%s' "${line#*=}"; done <<<"$out"
+}
+
+# True when DRY_RUN is set to a yes value (checked once, below, as every script sources this file): commands
+# are printed, not run.
+dry_run() { [ "$DRY_RUN" = "1" ]; }
 
 # Prints a command with the environment assignments it runs under, shell-quoted.
 show_cmd() { printf '  $'; printf ' %q' "$@"; printf '\n'; }
@@ -58,14 +67,16 @@ cleanup() {
   for pid in "${CHILD_PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
 }
 
-# require_gpus INDEX...: fails with one line if nvidia-smi does not list every given GPU index.
+# require_gpus INDEX...: fails with one line if nvidia-smi does not list every given GPU index; the hint names
+# JOB_FLAVOR, the flavor the calling job script needs (set by run_job.sh and run_eval.sh).
 require_gpus() {
   dry_run && return 0
   local found idx
   found="$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ' | paste -sd, -)" \
-    || die "nvidia-smi failed: no NVIDIA GPU visible; run on an h200x2 job (GPUs $*)"
+    || die "nvidia-smi failed: no NVIDIA GPU visible; run on a GPU job${JOB_FLAVOR:+ (flavor $JOB_FLAVOR)} with GPUs $*"
   for idx in "$@"; do
-    [[ ",$found," == *",$idx,"* ]] || die "GPU $idx not found (nvidia-smi lists: ${found:-none}): run on an h200x2 job or change the GPU index"
+    [[ ",$found," == *",$idx,"* ]] \
+      || die "GPU $idx not found (nvidia-smi lists: ${found:-none}): ${JOB_FLAVOR:+run on an $JOB_FLAVOR job or }change the GPU index"
   done
 }
 
@@ -195,7 +206,7 @@ on_exit() {
   local rc=$?
   trap - EXIT
   cleanup
-  if [ "$rc" -ne 0 ]; then log "$(basename "$0" .sh): FAILED (exit $rc); logs in $LOG_DIR"; fi
+  if [ "$rc" -ne 0 ]; then log "$(basename "$0" .sh): FAILED (exit $rc)$([ ! -d "$LOG_DIR" ] || echo "; logs in $LOG_DIR")"; fi
   exit "$rc"
 }
 
@@ -208,3 +219,5 @@ begin_job() {
   "$1"
   if dry_run; then log "DRY_RUN=1: printing the plan; nothing is installed or started"; fi
 }
+
+env_knobs DRY_RUN

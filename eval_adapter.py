@@ -514,18 +514,19 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter-repo", default=os.environ.get("ADAPTER_REPO"))
-    parser.add_argument("--checkpoint", default=os.environ.get("CHECKPOINT", adapter_repo.FINAL),
-                        help="checkpoint-N or final")
+    parser.add_argument("--checkpoint", help=f"checkpoint-N or {adapter_repo.FINAL} (env CHECKPOINT, default "
+                                             f"{adapter_repo.FINAL})")
     parser.add_argument("--env-url", default=os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"))
     parser.add_argument("--vllm-url", default=os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"))
     parser.add_argument("--split", default=os.environ.get("EVAL_SPLIT", ""), help="env server split (test)")
     parser.add_argument("--work-dir", default=os.environ.get("EVAL_WORK_DIR", "eval-work"))
-    parser.add_argument("--concurrency", type=int, default=int(os.environ.get("EVAL_CONCURRENCY",
-                                                                               recipe.EVAL_CONCURRENCY)))
+    parser.add_argument("--concurrency",
+                        help=f"rollouts in flight (env EVAL_CONCURRENCY, default {recipe.EVAL_CONCURRENCY})")
     args = parser.parse_args()
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
-    if not adapter_repo.is_checkpoint(args.checkpoint):
-        raise recipe.ConfigError(f"CHECKPOINT={args.checkpoint!r}: use 'final' or 'checkpoint-N'")
+    # Checked after parsing, by recipe.py's checks (as run_eval.sh's preflight): a bad value never breaks --help.
+    checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
+    concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
     eval_sampling()
     from huggingface_hub import HfApi
 
@@ -535,8 +536,8 @@ def main() -> None:
     if len(tasks) != recipe.TEST_TASKS:
         raise recipe.ConfigError(f"split {factory.split!r} has {len(tasks)} tasks, the test split has "
                                  f"{recipe.TEST_TASKS}: point the env server at the test tasks or set EVAL_SPLIT")
-    doc = evaluate(api, repo_id, args.checkpoint, factory, tasks, LoraServer(args.vllm_url), Path(args.work_dir),
-                   args.concurrency)
+    doc = evaluate(api, repo_id, checkpoint, factory, tasks, LoraServer(args.vllm_url), Path(args.work_dir),
+                   concurrency)
     print(json.dumps(doc["summary"], indent=1))
 
 

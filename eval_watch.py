@@ -287,26 +287,30 @@ def wait_for_repo(api: Any, repo_id: str, max_wait_s: float, poll_s: float = rec
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--adapter-repo", default=os.environ.get("ADAPTER_REPO"))
-    parser.add_argument("--n-tasks", type=int, default=int(os.environ.get("N_TASKS", recipe.EVAL_WATCH_TASKS)))
+    parser.add_argument("--n-tasks", help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
     parser.add_argument("--env-url", default=os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"))
     parser.add_argument("--vllm-url", default=os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"))
     parser.add_argument("--split", default=os.environ.get("EVAL_SPLIT", ""), help="env server split (test)")
     parser.add_argument("--work-dir", default=os.environ.get("EVAL_WORK_DIR", "eval-work"))
-    parser.add_argument("--max-idle-hours", type=float,
-                        default=float(os.environ.get("MAX_IDLE_HOURS", recipe.MAX_IDLE_HOURS)))
+    parser.add_argument("--max-idle-hours", help="stop after this long without a new checkpoint (env MAX_IDLE_HOURS, "
+                                                 f"default {recipe.MAX_IDLE_HOURS:g})")
     args = parser.parse_args()
+    # Checked after parsing, by recipe.py's checks (as run_eval.sh's preflight): a bad value never breaks --help.
+    n_tasks = recipe.knob("N_TASKS", value=args.n_tasks)
+    max_idle_s = recipe.knob("MAX_IDLE_HOURS", value=args.max_idle_hours) * 3600
+    concurrency = recipe.knob("EVAL_CONCURRENCY")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
     eval_sampling()
     from huggingface_hub import HfApi
 
     api = HfApi(token=recipe.require_token())
-    wait_for_repo(api, repo_id, args.max_idle_hours * 3600)
+    wait_for_repo(api, repo_id, max_idle_s)
     factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
     tasks = factory.tasks()
-    choose_subset(len(tasks), args.n_tasks)
+    choose_subset(len(tasks), n_tasks)
     watcher = Watcher(api, repo_id, factory, LoraServer(args.vllm_url), tasks, Path(args.work_dir),
-                      n_tasks=args.n_tasks, max_idle_s=args.max_idle_hours * 3600)
+                      n_tasks=n_tasks, max_idle_s=max_idle_s, concurrency=concurrency)
     print(f"eval_watch: stopped ({watcher.run()})")
 
 

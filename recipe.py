@@ -8,11 +8,15 @@ are read from there, not retyped.
 
 from __future__ import annotations
 
+import functools
+import math
 import os
 import re
 import sys
+from collections.abc import Callable, Mapping
 from importlib import metadata
 from pathlib import Path
+from typing import Any
 
 # --- Model -----------------------------------------------------------------
 BASE_MODEL = "LiquidAI/LFM2.5-2.6B"
@@ -166,6 +170,8 @@ ROLLOUT_ABORT_STREAK = MAX_STALENESS * NUM_GENERATIONS
 # A healthy run loses a few percent; at 10% independent failures, 129+ of 256 has probability below 1e-40.
 ROLLOUT_WINDOW = 256
 ROLLOUT_MAX_UNSCORABLE = 0.5
+WATCH_INTERVAL_S = 30  # Watchdog: seconds between its checks.
+READY_TIMEOUT_S = 1800  # vLLM and the env server must answer their health check within this (model download).
 # Env server sessions at once (OpenEnv's default is 4): every in-flight rollout holds one, and the
 # ones past the cap fail with SessionCapacityError. Must exceed training and eval concurrency.
 ENV_MAX_SESSIONS = 64
@@ -174,6 +180,9 @@ OPENCODE_VERSION = "1.18.33"
 PUSH_RETRIES = 5
 # First wait between push attempts, doubled each retry (30+60+120+240 s rides out a Hub blip).
 PUSH_BACKOFF_S = 30.0
+
+# Trainer weight-sync modes (weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
+WEIGHT_SYNC_MODES = ("merge_free", "stock")
 
 # --- Checks shared by every entry point ----------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -199,6 +208,107 @@ def require_token(env: dict[str, str] | None = None) -> str:
     if not token:
         raise ConfigError("HF_TOKEN is not set: pass it as a job secret (secrets={'HF_TOKEN': ...}) or export it")
     return token
+
+
+# --- Environment knobs: one check each, shared by launch.py, the job scripts and the Python entry points ----
+TRUE_WORDS = ("1", "true", "yes", "on")
+FALSE_WORDS = ("0", "false", "no", "off")
+
+
+def yes_no(raw: str, var: str) -> bool:
+    """A yes/no setting in any case; anything else is refused, so a typo in DRY_RUN never launches a real run."""
+    word = raw.strip().lower()
+    if word in TRUE_WORDS or word in FALSE_WORDS:
+        return word in TRUE_WORDS
+    raise ConfigError(f"{var}={raw!r} is not a yes/no value: use {var}=1 (or true, yes, on) "
+                      f"or {var}=0 (or false, no, off)")
+
+
+def whole_number(raw: str, var: str, upper: int | None = None, why: str = "") -> int:
+    """A whole number in 1..upper (no upper bound when upper is None)."""
+    span = f"1..{upper}" if upper else "a whole number >= 1"
+    try:
+        value = int(raw.strip())
+    except ValueError:
+        raise ConfigError(f"{var}={raw!r} is not a whole number: use {span}") from None
+    if value < 1 or (upper is not None and value > upper):
+        raise ConfigError(f"{var}={value} is out of range: use {span}" + (f" ({why})" if why else ""))
+    return value
+
+
+def positive_number(raw: str, var: str) -> float:
+    """A number > 0 (minutes, hours, seconds)."""
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        value = math.nan
+    if not value > 0 or math.isinf(value):
+        raise ConfigError(f"{var}={raw!r} is not a positive number: use e.g. {var}=1.5")
+    return value
+
+
+def one_of(raw: str, var: str, choices: tuple[str, ...]) -> str:
+    """One of a fixed set of words."""
+    if raw.strip() not in choices:
+        raise ConfigError(f"{var}={raw!r} is not one of {', '.join(choices)}")
+    return raw.strip()
+
+
+def checkpoint_name(raw: str, var: str) -> str:
+    """'final' (the adapter at the repo root) or 'checkpoint-N', the folder names the trainer pushes."""
+    if not re.fullmatch(r"final|checkpoint-[1-9][0-9]*", raw.strip()):
+        raise ConfigError(f"{var}={raw!r} is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'")
+    return raw.strip()
+
+
+def _stall_seconds(env: Mapping[str, str]) -> int:
+    return math.ceil(knob("STALL_MINUTES", env) * 60)
+
+
+_port = functools.partial(whole_number, upper=65535)
+# name -> (default, or a function of the environment giving it; check(raw, name) -> value)
+ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
+    "DRY_RUN": (False, yes_no),
+    "RESUME": (True, yes_no),
+    "FINAL_EVAL": (True, yes_no),
+    "LORA": (False, yes_no),
+    "ALLOW_NON_LOOPBACK": (False, yes_no),
+    "MAX_STEPS": (MAX_STEPS, functools.partial(whole_number, upper=TRAIN_MEDIUM + TRAIN_HARD,
+                                               why="one training task per step")),
+    "SAVE_STEPS": (SAVE_STEPS, whole_number),
+    "WEIGHT_SYNC": (WEIGHT_SYNC_MODES[0], functools.partial(one_of, choices=WEIGHT_SYNC_MODES)),
+    "STALL_MINUTES": (STALL_MINUTES, positive_number),
+    "STALL_SECONDS": (_stall_seconds, whole_number),
+    "WATCH_INTERVAL": (WATCH_INTERVAL_S, positive_number),
+    "READY_TIMEOUT": (READY_TIMEOUT_S, whole_number),
+    "N_TASKS": (EVAL_WATCH_TASKS, functools.partial(whole_number, upper=TEST_TASKS, why="tasks in data/test.json")),
+    "CHECKPOINT": ("final", checkpoint_name),
+    "MAX_IDLE_HOURS": (MAX_IDLE_HOURS, positive_number),
+    "EVAL_CONCURRENCY": (EVAL_CONCURRENCY, whole_number),
+    "EVAL_MODE": ("full", functools.partial(one_of, choices=("full", "watch"))),
+    "MAX_LORAS": (1, whole_number),
+    "POLICY_PORT": (VLLM_PORT, _port),
+    "ENV_PORT": (ENV_PORT, _port),
+    "PUBLIC_PORT": (PUBLIC_PORT, _port),
+}
+
+
+def knob(name: str, env: Mapping[str, str] | None = None, value: object = None) -> Any:
+    """The checked value of knob `name`: `value` (a command-line flag) if given, else the environment's, else
+    the default. Unset or empty means the default; a bad value raises ConfigError naming `name`."""
+    env = os.environ if env is None else env
+    default, check = ENV_KNOBS[name]
+    raw = str(value if value is not None else env.get(name, "")).strip()
+    if not raw:
+        return default(env) if callable(default) else default
+    return check(raw, name)
+
+
+def shell_value(value: object) -> str:
+    """How a checked knob is written back into an environment: flags as 1/0, 6.0 as 6."""
+    if isinstance(value, bool):
+        return "1" if value else "0"
+    return f"{value:g}" if isinstance(value, float) else str(value)
 
 
 def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
@@ -227,7 +337,22 @@ def check_versions(names: tuple[str, ...] = ("trl", "transformers"), path: Path 
             raise ConfigError(f"{name} {found} is installed, the recipe needs {name}{spec}: pip install '{name}{spec}'")
 
 
+def _print_env_knobs(names: list[str]) -> None:
+    """`recipe.py --env NAME...`: NAME=value per line, each checked; a bad one exits with its one-line fix."""
+    unknown = [name for name in names if name not in ENV_KNOBS]
+    if unknown:
+        sys.exit(f"recipe.py: unknown environment knob {unknown[0]!r}")
+    try:
+        lines = [f"{name}={shell_value(knob(name))}" for name in names]
+    except ConfigError as exc:
+        sys.exit(str(exc))
+    print("\n".join(lines))
+
+
 if __name__ == "__main__":
+    if sys.argv[1:2] == ["--env"]:
+        _print_env_knobs(sys.argv[2:])
+        sys.exit(0)
     # `python3 recipe.py NAME [NAME ...]` prints each knob, one per line (for shell scripts).
     for name in sys.argv[1:]:
         value = globals().get(name)

@@ -17,7 +17,8 @@
 #   MAX_IDLE_HOURS=<MAX_IDLE_HOURS>  watch mode: stop after this long without a new checkpoint.
 #   SANDBOX=<SANDBOX>        hf-sandbox | daytona (DAYTONA_API_KEY) | e2b (E2B_API_KEY).
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host (sandboxes reach the capture proxy there).
-#   GPU=<EVAL_GPU>           GPU for vLLM.   READY_TIMEOUT=1800  server start-up limit (s).
+#   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>   rollouts in flight.
+#   GPU=<EVAL_GPU>           GPU for vLLM.   READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   WORK_DIR=/tmp/lfm-eval   test tasks and eval work files. Logs: LOG_DIR=/tmp/lfm-logs.
 set -euo pipefail
@@ -26,15 +27,15 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 STEPS=5
 
+# Reads recipe.py's knobs and checks every environment knob (recipe.py's checks, as launch.py and the eval scripts
+# run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK VLLM_PORT ENV_PORT PUBLIC_PORT EVAL_GPU EVAL_WATCH_TASKS MAX_IDLE_HOURS SANDBOX)
-  [ "${#k[@]}" -eq 8 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
-  LOOPBACK="${k[0]}"; POLICY_PORT="${POLICY_PORT:-${k[1]}}"; ENV_PORT="${ENV_PORT:-${k[2]}}"
-  PUBLIC_PORT="${PUBLIC_PORT:-${k[3]}}"; GPU="${GPU:-${k[4]}}"; N_TASKS="${N_TASKS:-${k[5]}}"
-  MAX_IDLE_HOURS="${MAX_IDLE_HOURS:-${k[6]}}"; SANDBOX="${SANDBOX:-${k[7]}}"
-  EVAL_MODE="${EVAL_MODE:-full}"; CHECKPOINT="${CHECKPOINT:-final}"
-  WORK_DIR="${WORK_DIR:-/tmp/lfm-eval}"; TASKS_DIR="$WORK_DIR/tasks"; READY_TIMEOUT="${READY_TIMEOUT:-1800}"
+  mapfile -t k < <(recipe LOOPBACK EVAL_GPU SANDBOX EVAL_FLAVOR)
+  [ "${#k[@]}" -eq 4 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  LOOPBACK="${k[0]}"; GPU="${GPU:-${k[1]}}"; SANDBOX="${SANDBOX:-${k[2]}}"; JOB_FLAVOR="${k[3]}"
+  env_knobs EVAL_MODE CHECKPOINT N_TASKS MAX_IDLE_HOURS EVAL_CONCURRENCY READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT
+  WORK_DIR="${WORK_DIR:-/tmp/lfm-eval}"; TASKS_DIR="$WORK_DIR/tasks"
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
   export SANDBOX
 }
@@ -42,19 +43,14 @@ read_knobs() {
 # Bad input stops here, with one line, before anything is installed or started.
 preflight() {
   require_repo_and_token
-  case "$EVAL_MODE" in
-    full) [[ "$CHECKPOINT" == final || "$CHECKPOINT" =~ ^checkpoint-[0-9]+$ ]] \
-            || die "CHECKPOINT=$CHECKPOINT: use 'final' or 'checkpoint-N'" ;;
-    watch) [[ "$N_TASKS" =~ ^[1-9][0-9]*$ ]] || die "N_TASKS=$N_TASKS is not a positive integer"
-           [[ "$MAX_IDLE_HOURS" =~ ^[0-9]+([.][0-9]+)?$ ]] || die "MAX_IDLE_HOURS=$MAX_IDLE_HOURS is not a number of hours" ;;
-    *) die "EVAL_MODE=$EVAL_MODE: use full or watch" ;;
-  esac
   require_sandbox_credentials
   resolve_public_host
   require_gpus "$GPU"
-  local port
+  local port what
   for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
-  log "preflight: ADAPTER_REPO=$ADAPTER_REPO mode=$EVAL_MODE checkpoint=$CHECKPOINT SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
+  what="checkpoint=$CHECKPOINT"
+  [ "$EVAL_MODE" = full ] || what="n_tasks=$N_TASKS max_idle_hours=$MAX_IDLE_HOURS"
+  log "preflight: ADAPTER_REPO=$ADAPTER_REPO mode=$EVAL_MODE $what SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
 }
 
 # The pinned stack, unless it is already installed (run_job.sh installed it before training).
@@ -96,7 +92,7 @@ start_env_server() {
 
 run_eval() {
   local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" ENV_URL="$ENV_URL" VLLM_URL="$VLLM_URL" SANDBOX="$SANDBOX"
-    EVAL_WORK_DIR="$WORK_DIR/eval")
+    EVAL_WORK_DIR="$WORK_DIR/eval" EVAL_CONCURRENCY="$EVAL_CONCURRENCY")
   if [ "$EVAL_MODE" = watch ]; then
     do_cmd env "${vars[@]}" N_TASKS="$N_TASKS" MAX_IDLE_HOURS="$MAX_IDLE_HOURS" "$PYTHON" "$HERE/eval_watch.py"
   else

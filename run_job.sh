@@ -10,14 +10,14 @@
 #   ADAPTER_REPO             required: owner/name of the adapter repo checkpoints are pushed to.
 #   HF_TOKEN                 required (job secret); never printed.
 #   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the ~40-minute smoke run).  SAVE_STEPS=<SAVE_STEPS>
-#   RESUME=1  WEIGHT_SYNC    passed to train_lora.py.
+#   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
 #   SANDBOX=<SANDBOX>        hf-sandbox | daytona (DAYTONA_API_KEY) | e2b (E2B_API_KEY).
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   OPENENV_GIT=<OPENENV_GIT>  OPENENV_COMMIT=<OPENENV_COMMIT>   OpenEnv checkout providing envs/harbor_env.
 #   WORK_DIR=/tmp/lfm-job    tasks, OpenEnv clone, trainer output, heartbeat. Logs: LOG_DIR=/tmp/lfm-logs.
 #   STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)   no optimizer step and no finished rollout for this long
 #                            fails the job (recipe.py states why a healthy run always beats within it).
-#   WATCH_INTERVAL=30        seconds between watchdog checks.   READY_TIMEOUT=1800  server start-up limit (s).
+#   WATCH_INTERVAL=<WATCH_INTERVAL_S>  seconds between watchdog checks.  READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   FINAL_EVAL=1             0 skips the final eval (run_eval.sh) after training.
 set -euo pipefail
@@ -32,18 +32,19 @@ launch() {
   dry_run || PID[$1]="${CHILD_PIDS[-1]}"
 }
 
+# Reads recipe.py's knobs and checks every environment knob (recipe.py's checks, as launch.py and train_lora.py
+# run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK VLLM_PORT ENV_PORT PUBLIC_PORT TRAINER_GPU VLLM_GPU STALL_MINUTES MAX_STEPS \
-    SAVE_STEPS OPENENV_GIT OPENENV_COMMIT SANDBOX)
-  [ "${#k[@]}" -eq 12 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
-  LOOPBACK="${k[0]}"; POLICY_PORT="${POLICY_PORT:-${k[1]}}"; ENV_PORT="${ENV_PORT:-${k[2]}}"
-  PUBLIC_PORT="${PUBLIC_PORT:-${k[3]}}"; TRAINER_GPU="${k[4]}"; VLLM_GPU="${k[5]}"
-  STALL_SECONDS="${STALL_SECONDS:-$(awk -v m="${STALL_MINUTES:-${k[6]}}" 'BEGIN { printf "%d", m * 60 }')}"
-  MAX_STEPS="${MAX_STEPS:-${k[7]}}"; SAVE_STEPS="${SAVE_STEPS:-${k[8]}}"
-  OPENENV_GIT="${OPENENV_GIT:-${k[9]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[10]}}"; SANDBOX="${SANDBOX:-${k[11]}}"
+  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT SANDBOX TRAIN_FLAVOR)
+  [ "${#k[@]}" -eq 7 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  LOOPBACK="${k[0]}"; TRAINER_GPU="${k[1]}"; VLLM_GPU="${k[2]}"
+  OPENENV_GIT="${OPENENV_GIT:-${k[3]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[4]}}"; SANDBOX="${SANDBOX:-${k[5]}}"
+  JOB_FLAVOR="${k[6]}"
+  env_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL \
+    READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT
   WORK_DIR="${WORK_DIR:-/tmp/lfm-job}"; TASKS_DIR="$WORK_DIR/tasks"; OUTPUT_DIR="$WORK_DIR/output"
-  HEARTBEAT_FILE="$WORK_DIR/heartbeat"; READY_TIMEOUT="${READY_TIMEOUT:-1800}"; WATCH_INTERVAL="${WATCH_INTERVAL:-30}"
+  HEARTBEAT_FILE="$WORK_DIR/heartbeat"
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
   export SANDBOX
 }
@@ -51,8 +52,6 @@ read_knobs() {
 # Bad input stops the job here, with one line, before anything is installed or started.
 preflight() {
   require_repo_and_token
-  [[ "$MAX_STEPS" =~ ^[1-9][0-9]*$ ]] || die "MAX_STEPS=$MAX_STEPS is not a positive integer ($(recipe SMOKE_STEPS) = the smoke run)"
-  [[ "$STALL_SECONDS" =~ ^[1-9][0-9]*$ ]] || die "STALL_SECONDS=$STALL_SECONDS is not a positive number of seconds"
   require_sandbox_credentials
   resolve_public_host
   require_gpus "$TRAINER_GPU" "$VLLM_GPU"
@@ -131,8 +130,8 @@ arm_watchdog() {
 train() {
   local -a vars=(CUDA_VISIBLE_DEVICES="$TRAINER_GPU" ADAPTER_REPO="$ADAPTER_REPO" MAX_STEPS="$MAX_STEPS"
     SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
-    OUTPUT_DIR="$OUTPUT_DIR" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="${RESUME:-1}" SANDBOX="$SANDBOX")
-  [ -z "${WEIGHT_SYNC:-}" ] || vars+=(WEIGHT_SYNC="$WEIGHT_SYNC")
+    OUTPUT_DIR="$OUTPUT_DIR" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
+    SANDBOX="$SANDBOX")
   launch trainer env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
   if dry_run; then
     echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, trainer and the heartbeat age"
@@ -181,7 +180,7 @@ stop_child() {
 # 9. Final eval: the training servers make way (GPU and ports) for run_eval.sh's LoRA-mode vLLM and env server.
 #    Its output goes to the job log; it runs in its own process group (killed on exit) under EVAL_TIMEOUT.
 final_eval() {
-  if [ "${FINAL_EVAL:-1}" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=${FINAL_EVAL})"; return 0; fi
+  if [ "$FINAL_EVAL" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=0)"; return 0; fi
   local limit pid rc=0
   limit="$(recipe EVAL_TIMEOUT)"
   local -a cmd=(env ADAPTER_REPO="$ADAPTER_REPO" CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME"

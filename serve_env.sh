@@ -58,7 +58,8 @@ check_inputs() {
   fi
   [ -n "${SPACE_HOST:-}" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
   SPACE_HOST="${SPACE_HOST#https://}"; SPACE_HOST="${SPACE_HOST#http://}"; SPACE_HOST="${SPACE_HOST%/}"
-  if [ "$ENV_HOST" != "$(recipe LOOPBACK)" ] && [ "${ALLOW_NON_LOOPBACK:-0}" != "1" ]; then
+  env_knobs ALLOW_NON_LOOPBACK
+  if [ "$ENV_HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
     die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"
   fi
   [ "$ENV_PORT" != "$PUBLIC_PORT" ] || die "ENV_PORT and PUBLIC_PORT are both $ENV_PORT: the task API must not share the public port"

@@ -17,6 +17,7 @@
 #   LORA=0                   1 = eval mode: --enable-lora --max-lora-rank <LORA_R> --max-loras $MAX_LORAS and
 #                            VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (/v1/load_lora_adapter); no weight transfer.
 #                            0 = training mode: --weight-transfer-config '{"backend":"nccl"}' + VLLM_SERVER_DEV_MODE=1.
+#   Yes/no knobs (LORA, ALLOW_NON_LOOPBACK, DRY_RUN) take 1/true/yes/on or 0/false/no/off, any case.
 #   MAX_LORAS=1              adapters resident at once in LoRA mode.
 #   LORA_MODULES=            LoRA mode only: "name=path_or_repo" adapters to load at start (--lora-modules).
 #   VLLM=vllm                the vllm executable.
@@ -40,8 +41,8 @@ vllm_args() {
     --return-tokens-as-token-ids \
     --logprobs-mode processed_logprobs \
     --enable-auto-tool-choice --tool-call-parser lfm2
-  if [ "${LORA:-0}" = "1" ]; then
-    printf '%s\n' --enable-lora --max-lora-rank "$(recipe LORA_R)" --max-loras "${MAX_LORAS:-1}"
+  if [ "$LORA" = "1" ]; then
+    printf '%s\n' --enable-lora --max-lora-rank "$(recipe LORA_R)" --max-loras "$MAX_LORAS"
     [ -z "${LORA_MODULES:-}" ] || printf '%s\n' --lora-modules "$LORA_MODULES"
   else
     printf '%s\n' --weight-transfer-config '{"backend":"nccl"}'
@@ -51,25 +52,25 @@ vllm_args() {
 # Prints the environment assignments vLLM runs under, one per line.
 vllm_env() {
   echo "CUDA_VISIBLE_DEVICES=$GPU"
-  if [ "${LORA:-0}" = "1" ]; then echo "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"; else echo "VLLM_SERVER_DEV_MODE=1"; fi
+  if [ "$LORA" = "1" ]; then echo "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"; else echo "VLLM_SERVER_DEV_MODE=1"; fi
 }
 
 main() {
   GPU="${GPU:-$(recipe VLLM_GPU)}"
   HOST="${HOST:-$(recipe LOOPBACK)}"
   PORT="${PORT:-$(recipe VLLM_PORT)}"
-  case "${LORA:-0}" in 0|1) ;; *) die "LORA=${LORA} is not 0 or 1" ;; esac
-  if [ "$HOST" != "$(recipe LOOPBACK)" ] && [ "${ALLOW_NON_LOOPBACK:-0}" != "1" ]; then
+  env_knobs LORA ALLOW_NON_LOOPBACK MAX_LORAS
+  if [ "$HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
     die "HOST=$HOST would expose vLLM's unauthenticated endpoints: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1 on a private network"
   fi
-  [ -n "${LORA_MODULES:-}" ] && [ "${LORA:-0}" != "1" ] && die "LORA_MODULES needs LORA=1"
+  [ -n "${LORA_MODULES:-}" ] && [ "$LORA" != "1" ] && die "LORA_MODULES needs LORA=1"
   require_gpus "$GPU"
   port_free "$PORT"
   local -a env_vars cmd
   mapfile -t env_vars < <(vllm_env)
   mapfile -t cmd < <(vllm_args)
   if dry_run; then show_cmd env "${env_vars[@]}" "${cmd[@]}"; return 0; fi
-  log "serve_policy: vLLM on GPU $GPU at http://$HOST:$PORT ($([ "${LORA:-0}" = "1" ] && echo LoRA eval || echo training) mode)"
+  log "serve_policy: vLLM on GPU $GPU at http://$HOST:$PORT ($([ "$LORA" = "1" ] && echo LoRA eval || echo training) mode)"
   exec env "${env_vars[@]}" "${cmd[@]}"
 }
 

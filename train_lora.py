@@ -5,9 +5,10 @@ env server on the same machine). Every knob comes from recipe.py; the environmen
 are and where the adapter goes:
 
     ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL HF_TOKEN=hf_... MAX_STEPS=20 \
-        CUDA_VISIBLE_DEVICES=0 python train_lora.py
+        CUDA_VISIBLE_DEVICES=0 python3 train_lora.py
 
-    python train_lora.py --dry-run   # print the resolved configuration as JSON; loads nothing
+    ADAPTER_REPO=you/x .venv/bin/python train_lora.py --dry-run   # the resolved configuration as JSON; loads
+                                                                  # nothing, needs no token
 
 Checkpoints go to ADAPTER_REPO under checkpoint-N/ every SAVE_STEPS steps, each in one commit that ends
 with checkpoint-N/checkpoint_complete.json; only folders with that marker count as complete. RESUME=1
@@ -75,17 +76,6 @@ class Settings:
         return {k: v for k, v in asdict(self).items() if k != "hf_token"}
 
 
-def _positive_int(env: Mapping[str, str], name: str, default: int) -> int:
-    raw = env.get(name, "").strip() or str(default)
-    try:
-        value = int(raw)
-    except ValueError:
-        raise recipe.ConfigError(f"{name}={raw!r} is not an integer: set {name} to a whole number >= 1") from None
-    if value < 1:
-        raise recipe.ConfigError(f"{name}={value} must be >= 1 (e.g. {name}={default})")
-    return value
-
-
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
     value = env.get(name, "").strip() or default
     if value not in choices:
@@ -103,27 +93,16 @@ def _url(env: Mapping[str, str], name: str, default: str) -> str:
     return value.rstrip("/")
 
 
-def _flag(env: Mapping[str, str], name: str, default: bool) -> bool:
-    raw = env.get(name, "").strip().lower()
-    if not raw:
-        return default
-    if raw in ("1", "true", "yes"):
-        return True
-    if raw in ("0", "false", "no"):
-        return False
-    raise recipe.ConfigError(f"{name}={raw!r} is not a flag: use {name}=1 or {name}=0")
-
-
 def _sandbox(env: Mapping[str, str]) -> str:
     from harbor.models.environment_type import EnvironmentType
 
     return _choice(env, "SANDBOX", "hf-sandbox", tuple(e.value for e in EnvironmentType))
 
 
-def settings_from_env(env: Mapping[str, str] = os.environ) -> Settings:
-    """Read and validate the run's settings; a bad value raises ConfigError with one line saying the fix."""
-    from weight_sync import SYNC_MODES
-
+def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool = True) -> Settings:
+    """Read and validate the run's settings; a bad value raises ConfigError with one line saying the fix.
+    The knobs run_job.sh also passes get recipe.knob's checks, the ones its preflight runs. Only a real run
+    needs the token (`--dry-run` reads no secret)."""
     output_dir = env.get("OUTPUT_DIR", "").strip() or Settings.output_dir
     sandbox = _sandbox(env)
     capture_url = _url(env, "CAPTURE_URL", "")
@@ -134,20 +113,20 @@ def settings_from_env(env: Mapping[str, str] = os.environ) -> Settings:
         )
     return Settings(
         adapter_repo=recipe.require_repo_id(env.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO"),
-        hf_token=recipe.require_token(dict(env)),
+        hf_token=recipe.require_token(dict(env)) if need_token else env.get("HF_TOKEN", "").strip(),
         model=env.get("MODEL", "").strip() or recipe.BASE_MODEL,
         model_revision=env.get("MODEL_REVISION", "").strip() or recipe.BASE_MODEL_REVISION,
         served_model_name=env.get("SERVED_MODEL_NAME", "").strip() or recipe.SERVED_MODEL_NAME,
-        max_steps=_positive_int(env, "MAX_STEPS", recipe.MAX_STEPS),
-        save_steps=_positive_int(env, "SAVE_STEPS", recipe.SAVE_STEPS),
+        max_steps=recipe.knob("MAX_STEPS", env),
+        save_steps=recipe.knob("SAVE_STEPS", env),
         vllm_url=_url(env, "VLLM_URL", Settings.vllm_url),
         env_url=_url(env, "ENV_URL", Settings.env_url),
         capture_url=capture_url,
         train_split=env.get("TRAIN_SPLIT", "").strip(),
         output_dir=output_dir,
         heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / "heartbeat"),
-        resume=_flag(env, "RESUME", True),
-        weight_sync=_choice(env, "WEIGHT_SYNC", "merge_free", SYNC_MODES),
+        resume=recipe.knob("RESUME", env),
+        weight_sync=recipe.knob("WEIGHT_SYNC", env),
         sandbox=sandbox,
         device=_choice(env, "DEVICE", "cuda", DEVICES),
     )
@@ -538,7 +517,7 @@ def main(argv: list[str] | None = None) -> int:
     started = time.time()
     try:
         recipe.check_versions()
-        settings = settings_from_env(os.environ)
+        settings = settings_from_env(os.environ, need_token=not args.dry_run)
         if args.dry_run:
             print(json.dumps(resolved_config(settings), indent=2))
             return 0

@@ -63,7 +63,7 @@ logger = get_logger(__name__)
 # The same "weight_sync" logger without accelerate's main-process filter: each rank checks the kernel on its own GPU.
 rank_logger = logging.getLogger(__name__)
 
-SYNC_MODES = ("merge_free", "stock")
+SYNC_MODES = recipe.WEIGHT_SYNC_MODES
 
 
 def send_dtype() -> torch.dtype:

@@ -377,12 +377,23 @@ def test_run_eval_dry_run_prints_the_plan_without_secrets():
 @pytest.mark.parametrize(("env", "message"), [
     ({"HF_TOKEN": "x", "JOB_ID": "a"}, "ADAPTER_REPO is not set"),
     ({"ADAPTER_REPO": REPO, "JOB_ID": "a"}, "HF_TOKEN is not set"),
-    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "CHECKPOINT": "step-5"}, "use 'final' or 'checkpoint-N'"),
+    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "CHECKPOINT": "step-5"},
+     "CHECKPOINT='step-5' is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'"),
+    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "CHECKPOINT": "checkpoint-0"},
+     "CHECKPOINT='checkpoint-0' is not a checkpoint name"),
+    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "N_TASKS": "500"},
+     "N_TASKS=500 is out of range: use 1..250"),
+    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "EVAL_CONCURRENCY": "x"},
+     "EVAL_CONCURRENCY='x' is not a whole number"),
+    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "READY_TIMEOUT": "soon"},
+     "READY_TIMEOUT='soon' is not a whole number"),
+    ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "JOB_ID": "a", "EVAL_MODE": "fast"}, "EVAL_MODE='fast' is not one of"),
     ({"ADAPTER_REPO": REPO, "HF_TOKEN": "x"}, "cannot derive the job's public host"),
 ])
 def test_run_eval_refuses_bad_input_with_one_line(env, message):
     result = run_script("run_eval.sh", **env)
     assert result.returncode != 0 and message in result.stderr, result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
     assert "step 1/5" not in result.stdout  # nothing installed or started
 
 
@@ -548,6 +559,14 @@ def test_run_eval_starts_lora_vllm_and_env_server_then_evaluates(eval_job):
     assert log[order[2]] == (f"eval eval_adapter.py ADAPTER_REPO={REPO} CHECKPOINT=checkpoint-200 N_TASKS= "
                              f"ENV_URL=http://127.0.0.1:{env['ENV_PORT']} VLLM_URL=http://127.0.0.1:"
                              f"{env['POLICY_PORT']} SANDBOX={recipe.SANDBOX} vllm_up=True env_up=True")
+
+
+def test_eval_job_without_a_gpu_names_its_own_flavor(eval_job):
+    result, log = _run_eval_job(eval_job, STUB_GPUS="none")
+    assert result.returncode != 0 and log == []
+    [line] = result.stderr.strip().splitlines()
+    assert f"no NVIDIA GPU visible; run on a GPU job (flavor {recipe.EVAL_FLAVOR})" in line
+    assert recipe.TRAIN_FLAVOR not in line
 
 
 def test_run_eval_fails_fast_when_vllm_dies(eval_job):

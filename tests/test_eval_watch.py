@@ -346,11 +346,14 @@ def test_run_eval_watch_dry_run_prints_the_watch_plan():
                             timeout=60)
     assert result.returncode == 0, result.stderr
     assert "--enable-lora" in result.stdout and "SPACE_HOST=abc--8000.hf.jobs " in result.stdout
-    assert f"N_TASKS=40 MAX_IDLE_HOURS={recipe.MAX_IDLE_HOURS} {sys.executable} {root}/eval_watch.py" in result.stdout
+    assert f"N_TASKS=40 MAX_IDLE_HOURS={recipe.MAX_IDLE_HOURS:g} {sys.executable} {root}/eval_watch.py" in result.stdout
     assert "hf_SECRETSECRET" not in result.stdout + result.stderr
+    preflight = next(line for line in result.stdout.splitlines() if "] preflight: " in line)
+    assert f"mode=watch n_tasks=40 max_idle_hours={recipe.MAX_IDLE_HOURS:g} " in preflight
+    assert "checkpoint=" not in preflight  # the watcher evaluates every checkpoint, not `final`
     bad = subprocess.run(["bash", str(root / "run_eval_watch.sh")], env={**env, "N_TASKS": "0"}, capture_output=True,
                          text=True, timeout=60)
-    assert bad.returncode != 0 and "N_TASKS=0 is not a positive integer" in bad.stderr
+    assert bad.returncode != 0 and "N_TASKS=0 is out of range: use 1..250" in bad.stderr
 
 
 def test_watcher_waits_for_the_training_job_to_create_the_repo(tmp_path):
@@ -378,7 +381,13 @@ def test_run_eval_watch_runs_the_watcher_and_a_failed_eval_fails_the_job(tmp_pat
 @pytest.mark.parametrize(("script", "env", "line"), [
     ("eval_watch.py", {"ADAPTER_REPO": REPO}, "eval_watch: HF_TOKEN is not set"),
     ("eval_adapter.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "CHECKPOINT": "step-5"},
-     "eval_adapter: CHECKPOINT='step-5': use 'final' or 'checkpoint-N'"),
+     "eval_adapter: CHECKPOINT='step-5' is not a checkpoint name"),
+    ("eval_watch.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "N_TASKS": "abc"},
+     "eval_watch: N_TASKS='abc' is not a whole number"),
+    ("eval_watch.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "MAX_IDLE_HOURS": "six"},
+     "eval_watch: MAX_IDLE_HOURS='six' is not a positive number"),
+    ("eval_adapter.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "EVAL_CONCURRENCY": "x"},
+     "eval_adapter: EVAL_CONCURRENCY='x' is not a whole number"),
 ])
 def test_entry_points_refuse_bad_input_with_one_line(script, env, line):
     import os

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
@@ -128,3 +129,57 @@ def test_setup_refuses_without_python_312(tmp_path: Path) -> None:
     )
     assert result.returncode == 1
     assert "no Python >= 3.12 found" in result.stderr
+
+
+# --- environment knobs: one parser, one check each, shared by every script ------------------------------------------
+@pytest.mark.parametrize(("word", "value"), [
+    ("1", True), ("true", True), ("TRUE", True), ("Yes", True), ("on", True), (" yes ", True),
+    ("0", False), ("false", False), ("No", False), ("OFF", False),
+])
+def test_yes_no_takes_the_usual_spellings(word: str, value: bool) -> None:
+    assert recipe.knob("DRY_RUN", {"DRY_RUN": word}) is value
+    assert recipe.knob("RESUME", {"RESUME": word}) is value
+
+
+@pytest.mark.parametrize("word", ["maybe", "2", "y", "enable", "1.0"])
+def test_yes_no_refuses_anything_else_naming_the_variable(word: str) -> None:
+    expected = f"^FINAL_EVAL={re.escape(repr(word))} is not a yes/no value: use FINAL_EVAL=1"
+    with pytest.raises(recipe.ConfigError, match=expected) as err:
+        recipe.knob("FINAL_EVAL", {"FINAL_EVAL": word})
+    assert "\n" not in str(err.value)
+
+
+def test_unset_or_empty_knob_is_the_recipe_default() -> None:
+    for env in ({}, {"RESUME": "", "DRY_RUN": " ", "STALL_MINUTES": ""}):
+        assert (recipe.knob("RESUME", env), recipe.knob("DRY_RUN", env)) == (True, False)
+        assert recipe.knob("STALL_SECONDS", env) == recipe.STALL_MINUTES * 60
+    assert recipe.knob("STALL_SECONDS", {"STALL_MINUTES": "0.01"}) == 1  # never rounds down to "no limit"
+    assert recipe.knob("MAX_STEPS", {"MAX_STEPS": "9"}, value="12") == 12  # a flag wins over the environment
+
+
+def test_recipe_env_cli_prints_checked_knobs_for_shell_scripts() -> None:
+    env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "Yes", "MAX_IDLE_HOURS": "6.0", "N_TASKS": " 40 "}
+    out = subprocess.run([sys.executable, "recipe.py", "--env", "DRY_RUN", "MAX_IDLE_HOURS", "N_TASKS", "RESUME"],
+                         cwd=ROOT, env=env, capture_output=True, text=True, check=True).stdout
+    assert out.splitlines() == ["DRY_RUN=1", "MAX_IDLE_HOURS=6", "N_TASKS=40", "RESUME=1"]
+    bad = subprocess.run([sys.executable, "recipe.py", "--env", "DRY_RUN", "N_TASKS"], cwd=ROOT,
+                         env={**env, "N_TASKS": "500"}, capture_output=True, text=True)
+    assert bad.returncode != 0 and bad.stdout == ""
+    assert bad.stderr == "N_TASKS=500 is out of range: use 1..250 (tasks in data/test.json)\n"
+
+
+# Values that once crashed `--help` with a raw ValueError, and others each entry point reads.
+BAD_ENV = {"N_TASKS": "abc", "EVAL_CONCURRENCY": "x", "MAX_IDLE_HOURS": "six", "MAX_STEPS": "lots",
+           "SAVE_STEPS": "abc", "CHECKPOINT": "ckpt", "DRY_RUN": "maybe", "RESUME": "maybe", "WEIGHT_SYNC": "fast",
+           "STALL_MINUTES": "abc", "GATEWAY_PORT": "x", "MERGED_DTYPE": "int3", "BUNDLE_DIR": "/no/such/dir"}
+
+
+@pytest.mark.parametrize("script", ["eval_watch.py", "eval_adapter.py", "train_lora.py", "launch.py",
+                                    "export_adapter.py", "prepare_tasks.py", "capture_gateway.py"])
+def test_help_works_whatever_the_environment_holds(script: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    result = subprocess.run([sys.executable, script, "--help"], cwd=ROOT, env={**env, **BAD_ENV},
+                            capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert result.stdout.startswith("usage: ") and "Traceback" not in result.stderr
+

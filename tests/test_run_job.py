@@ -227,6 +227,7 @@ def test_failing_final_eval_fails_the_job(job):
 def test_crashing_trainer_ends_job_with_log_tail(job):
     out = run_job(job, STUB_TRAIN="crash")
     assert out.returncode != 0
+    assert f"run_job: FAILED (exit 1); logs in {job['env']['LOG_DIR']}" in out.stdout
     assert "trainer exited with status 7" in out.stderr
     assert "trainer| RuntimeError: simulated trainer crash" in out.stderr
     assert_no_leftovers(job["token"])
@@ -349,7 +350,16 @@ def test_vllm_api_server_not_importing_stops_job(job):
         ({"SANDBOX": "e2b"}, "SANDBOX=e2b needs E2B_API_KEY"),
         ({"STUB_GPUS": "0"}, "GPU 1 not found (nvidia-smi lists: 0)"),
         ({"JOB_ID": ""}, "cannot derive the job's public host: set SPACE_HOST="),
-        ({"MAX_STEPS": "0"}, "MAX_STEPS=0 is not a positive integer"),
+        ({"MAX_STEPS": "0"}, "MAX_STEPS=0 is out of range: use 1..1000"),
+        ({"STALL_MINUTES": "abc", "STALL_SECONDS": ""}, "STALL_MINUTES='abc' is not a positive number"),
+        ({"SAVE_STEPS": "abc"}, "SAVE_STEPS='abc' is not a whole number"),
+        ({"WEIGHT_SYNC": "fast"}, "WEIGHT_SYNC='fast' is not one of merge_free, stock"),
+        ({"READY_TIMEOUT": "abc"}, "READY_TIMEOUT='abc' is not a whole number"),
+        ({"WATCH_INTERVAL": "0"}, "WATCH_INTERVAL='0' is not a positive number"),
+        ({"RESUME": "maybe"}, "RESUME='maybe' is not a yes/no value"),
+        ({"FINAL_EVAL": "maybe"}, "FINAL_EVAL='maybe' is not a yes/no value"),
+        ({"DRY_RUN": "maybe"}, "DRY_RUN='maybe' is not a yes/no value"),
+        ({"PUBLIC_PORT": "99999"}, "PUBLIC_PORT=99999 is out of range: use 1..65535"),
     ],
 )
 def test_bad_input_stops_at_once(job, extra, message):
@@ -358,6 +368,7 @@ def test_bad_input_stops_at_once(job, extra, message):
     errors = out.stderr.strip().splitlines()
     assert len(errors) == 1 and message in errors[0], out.stderr
     assert stub_log(job) == []  # nothing installed or started
+    assert "logs in" not in out.stdout  # no log folder to point at yet
 
 
 def test_port_in_use_stops_at_once(job):
@@ -368,6 +379,19 @@ def test_port_in_use_stops_at_once(job):
     assert out.returncode != 0
     assert f"port {job['ports']['PUBLIC_PORT']} is already in use" in out.stderr
     assert stub_log(job) == []
+
+
+def test_yes_no_knobs_take_any_spelling_and_dry_run_true_starts_nothing(job):
+    out = run_job(job, DRY_RUN="true", FINAL_EVAL="Yes", RESUME="on", STUB_GPUS="none")
+    assert out.returncode == 0, out.stderr
+    assert "DRY_RUN=1: printing the plan" in out.stdout
+    trainer = next(line for line in out.stdout.splitlines() if line.endswith("train_lora.py"))
+    assert "RESUME=1" in shlex.split(trainer[4:])
+    assert "  stop vllm and env_server" in out.stdout  # FINAL_EVAL=Yes runs the final eval
+    assert stub_log(job) == []  # nothing installed or started
+    assert not (job["tmp"] / "work").exists()
+    skipped = run_job(job, DRY_RUN="on", FINAL_EVAL="off")
+    assert skipped.returncode == 0 and "final-eval: skipped (FINAL_EVAL=0)" in skipped.stdout
 
 
 def test_space_host_wins_over_job_id(job):

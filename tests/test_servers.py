@@ -96,7 +96,9 @@ def test_policy_lora_mode_plan(tmp_path):
         ({"HOST": "0.0.0.0"}, "HOST=0.0.0.0 would expose vLLM's unauthenticated endpoints"),
         ({"STUB_GPUS": "0"}, "GPU 1 not found (nvidia-smi lists: 0)"),
         ({"STUB_GPUS": "none"}, "nvidia-smi failed"),
-        ({"LORA": "yes"}, "LORA=yes is not 0 or 1"),
+        ({"LORA": "maybe"}, "LORA='maybe' is not a yes/no value"),
+        ({"ALLOW_NON_LOOPBACK": "sure", "HOST": "0.0.0.0"}, "ALLOW_NON_LOOPBACK='sure' is not a yes/no value"),
+        ({"MAX_LORAS": "0"}, "MAX_LORAS=0 is out of range"),
     ],
 )
 def test_policy_bad_input_stops_with_one_line(tmp_path, extra, message):
@@ -105,6 +107,18 @@ def test_policy_bad_input_stops_with_one_line(tmp_path, extra, message):
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert not (tmp_path / "stub.log").exists()  # vllm never started
+
+
+def test_policy_yes_no_knobs_take_any_spelling(tmp_path):
+    out = run("serve_policy.sh", bash_env(tmp_path, DRY_RUN="true", LORA="Yes", HOST="0.0.0.0",
+                                          ALLOW_NON_LOOPBACK="on", GPU="0"))
+    assert out.returncode == 0, out.stderr
+    argv = planned(out.stdout)
+    assert "--enable-lora" in argv and "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True" in argv
+    assert flag(argv, "--host") == "0.0.0.0"
+    assert not (tmp_path / "stub.log").exists()  # DRY_RUN=true only printed the command
+    off = planned(run("serve_policy.sh", bash_env(tmp_path, DRY_RUN="yes", LORA="off")).stdout)
+    assert "--weight-transfer-config" in off and "--enable-lora" not in off
 
 
 def test_policy_port_in_use_stops(tmp_path):
@@ -143,6 +157,8 @@ def test_policy_execs_vllm_on_its_gpu(tmp_path):
         ({"SANDBOX": "daytona"}, "SANDBOX=daytona needs DAYTONA_API_KEY"),
         ({"SANDBOX": "e2b"}, "SANDBOX=e2b needs E2B_API_KEY"),
         ({"ENV_HOST": "0.0.0.0"}, "would expose the env server's task API"),
+        ({"ENV_HOST": "0.0.0.0", "ALLOW_NON_LOOPBACK": "2"}, "ALLOW_NON_LOOPBACK='2' is not a yes/no value"),
+        ({"DRY_RUN": "perhaps"}, "DRY_RUN='perhaps' is not a yes/no value"),
         ({"ENV_PORT": "8000", "PUBLIC_PORT": "8000"}, "must not share the public port"),
     ],
 )
@@ -154,6 +170,15 @@ def test_env_bad_input_stops_with_one_line(tmp_path, extra, message):
     assert message in out.stderr
     assert len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert "hf_secret_value" not in out.stdout + out.stderr
+
+
+def test_env_allows_another_host_with_any_yes_spelling(tmp_path):
+    env = bash_env(tmp_path, DRY_RUN="TRUE", DATASETS="/t/train", SPACE_HOST="job--8000.hf.jobs", HF_TOKEN="x",
+                   ENV_HOST="10.0.0.5", ALLOW_NON_LOOPBACK="yes")
+    out = run("serve_env.sh", env)
+    assert out.returncode == 0, out.stderr
+    server = [shlex.split(line[4:]) for line in out.stdout.splitlines() if line.startswith("  $ ")][0]
+    assert flag(server, "--host") == "10.0.0.5"
 
 
 def test_env_plan_keeps_task_api_on_loopback_and_never_prints_secrets(tmp_path):

@@ -137,14 +137,14 @@ def test_settings_defaults_come_from_the_recipe():
     ({"ADAPTER_REPO": ""}, "ADAPTER_REPO is not set"),
     ({"ADAPTER_REPO": "no-slash"}, "is not a valid repo id"),
     ({"ADAPTER_REPO": "a/b/c"}, "is not a valid repo id"),
-    ({"HF_TOKEN": ""}, "HF_TOKEN is not set"),
-    ({"MAX_STEPS": "0"}, "MAX_STEPS=0 must be >= 1"),
-    ({"MAX_STEPS": "-5"}, "MAX_STEPS=-5 must be >= 1"),
-    ({"MAX_STEPS": "ten"}, "MAX_STEPS='ten' is not an integer"),
-    ({"SAVE_STEPS": "0"}, "SAVE_STEPS=0 must be >= 1"),
+    ({"MAX_STEPS": "0"}, "MAX_STEPS=0 is out of range: use 1..1000"),
+    ({"MAX_STEPS": "-5"}, "MAX_STEPS=-5 is out of range"),
+    ({"MAX_STEPS": "ten"}, "MAX_STEPS='ten' is not a whole number"),
+    ({"MAX_STEPS": "1001"}, "MAX_STEPS=1001 is out of range: use 1..1000 (one training task per step)"),
+    ({"SAVE_STEPS": "0"}, "SAVE_STEPS=0 is out of range"),
     ({"WEIGHT_SYNC": "lora"}, "WEIGHT_SYNC='lora' is not one of merge_free, stock"),
     ({"SANDBOX": "hf_sandbox"}, "SANDBOX='hf_sandbox' is not one of"),
-    ({"RESUME": "maybe"}, "RESUME='maybe' is not a flag"),
+    ({"RESUME": "maybe"}, "RESUME='maybe' is not a yes/no value"),
     ({"VLLM_URL": "localhost:8100"}, "VLLM_URL='localhost:8100' is not an http(s) URL"),
     ({"CAPTURE_URL": "http://127.0.0.1:8000/capture"}, "is loopback, but SANDBOX=hf-sandbox"),
     ({"DEVICE": "tpu"}, "DEVICE='tpu' is not one of cuda, cpu"),
@@ -157,6 +157,16 @@ def test_bad_input_is_one_clear_line_and_exit_2(env, message, monkeypatch, capsy
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and TOKEN not in captured.err
+
+
+def test_dry_run_needs_no_token_but_a_real_run_does(monkeypatch, capsys):
+    """The README's `train_lora.py --dry-run` reads no secret; only training refuses a missing HF_TOKEN."""
+    monkeypatch.setattr(os, "environ", {"ADAPTER_REPO": REPO, "RESUME": "off"})
+    assert train_lora.main(["--dry-run"]) == 0
+    config = json.loads(capsys.readouterr().out)
+    assert config["adapter_repo"] == REPO and config["resume"] is False and "hf_token" not in config
+    with pytest.raises(recipe.ConfigError, match="HF_TOKEN is not set"):
+        train_lora.settings_from_env({"ADAPTER_REPO": REPO, "HF_TOKEN": ""})
 
 
 @pytest.mark.parametrize(("package", "installed"), [("trl", "1.16.0"), ("transformers", "5.18.0")])
