@@ -1,9 +1,9 @@
 r"""Publish a trained adapter (the final one or a checkpoint-N) with a model card; optionally a merged full model.
 
-    python export_adapter.py --source you/LFM2.5-2.6B-opencode-lora-RL --target you/LFM2.5-2.6B-opencode-lora
-    python export_adapter.py --source you/LFM2.5-2.6B-opencode-lora-RL --checkpoint checkpoint-500 --merged \
+    .venv/bin/python export_adapter.py --source you/LFM2.5-2.6B-opencode-lora-RL --target you/LFM2.5-2.6B-opencode-lora
+    .venv/bin/python export_adapter.py --source you/LFM2.5-2.6B-opencode-lora-RL --checkpoint checkpoint-500 --merged \
         --target you/LFM2.5-2.6B-opencode-lora-step500     # also pushes you/LFM2.5-2.6B-opencode-lora-step500-merged
-    python export_adapter.py --source ./run --target you/x --local-dir out/   # writes out/adapter (+ out/merged)
+    .venv/bin/python export_adapter.py --source ./run --target you/x --local-dir out/   # out/adapter (+ out/merged)
 
 `--source` is the training repo (or a local folder with the same layout: the final adapter at the root,
 checkpoint-N/ folders, eval/). The card's recipe table is generated from recipe.py and its eval table from

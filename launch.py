@@ -1,16 +1,20 @@
+# /// script
+# requires-python = ">=3.12"
+# dependencies = ["huggingface_hub>=2.1.1", "tomli-w==1.2.0", "packaging"]
+# ///
 """Upload the code bundle and start one of the recipe's Hugging Face Jobs: train, smoke, eval-watch or eval.
 
 `run_job(expose_public=...)` exists only from huggingface_hub 2.1.1 on, while the training stack pins
-huggingface_hub<2.0, so the launcher runs in its own throw-away environment (tomli-w: prepare_tasks.py,
-whose task-list checks the preflight reuses, imports it):
+huggingface_hub<2.0, so the launcher runs in its own throw-away environment: the inline script metadata
+above (PEP 723) makes `uv run launch.py` bring huggingface_hub>=2.1.1 and tomli-w (prepare_tasks.py, whose
+task-list checks the preflight reuses, imports it), in any shell:
 
     export ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL
-    alias launch="uv run --no-project --with 'huggingface_hub>=2.1.1' --with tomli-w==1.2.0 python launch.py"
-    launch smoke                                  # MAX_STEPS=20, ~40 min on h200x2: do this first
-    launch train                                  # MAX_STEPS=1000 on h200x2, 72 h cap
-    launch eval-watch                             # live learning curve on h200, 48 h cap
-    launch eval --checkpoint checkpoint-300       # standalone base-vs-adapter eval on h200
-    .venv/bin/python launch.py train --dry-run    # prints the job spec and the upload list, touches nothing
+    uv run launch.py smoke                                # MAX_STEPS=20, ~40 min on h200x2: do this first
+    uv run launch.py train                                # MAX_STEPS=1000 on h200x2, 72 h cap
+    uv run launch.py eval-watch                           # live learning curve on h200, 48 h cap
+    uv run launch.py eval --checkpoint checkpoint-300     # standalone base-vs-adapter eval on h200
+    .venv/bin/python launch.py train --dry-run            # prints the job spec and the upload list, touches nothing
 
 Every check runs before anything is uploaded or started; each failure is one line with its fix.
 The token is read from HF_TOKEN (or the stored `hf auth login` token) and never printed.
@@ -36,7 +40,6 @@ from adapter_repo import (
     checkpoint_name,
     commit,
     complete_checkpoints,
-    is_checkpoint,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -55,6 +58,14 @@ SANDBOX_KEYS = {"daytona": "DAYTONA_API_KEY", "e2b": "E2B_API_KEY"}
 REDACTED = "<redacted>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
 _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
+# Job knobs the launcher passes on when given (flag or environment variable), checked here by the same
+# recipe.knob check the job's own preflight runs; unset ones keep the job's recipe default.
+JOB_KNOBS: dict[str, tuple[str, ...]] = {
+    "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL"),
+    "smoke": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL"),
+    "eval-watch": ("MAX_IDLE_HOURS", "EVAL_CONCURRENCY"),
+    "eval": ("EVAL_CONCURRENCY",),
+}
 
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
@@ -79,7 +90,7 @@ def check_hub_version(version: str) -> None:
         tomli_w = f"tomli-w{recipe.pinned_versions()['tomli-w']}"
         raise recipe.ConfigError(
             f"huggingface_hub {version} is too old for launch.py (run_job(expose_public=...) needs {need}): "
-            f"run it as  uv run --no-project --with '{need}' --with {tomli_w} python launch.py ..."
+            f"run it as  uv run launch.py ...  (its inline metadata brings {need} and {tomli_w})"
         )
 
 
@@ -105,13 +116,19 @@ def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str,
     return adapter, code
 
 
-def check_task_lists(bundle: Path) -> tuple[int, int]:
+def check_bundle_dir(bundle: Path) -> None:
+    """--bundle-dir is a folder (else every later check would report a missing file inside it)."""
+    if not bundle.is_dir():
+        raise recipe.ConfigError(f"--bundle-dir {bundle} is not a folder: point --bundle-dir (or BUNDLE_DIR) at a "
+                                 f"checkout of {PROJECT}, or leave it unset to upload this one")
+
+
+def check_task_lists(bundle: Path) -> None:
     """data/train.json (400 medium + 600 hard) and data/test.json (250), by prepare_tasks.py's own checks."""
     import prepare_tasks
 
     lists = {split: prepare_tasks.load_list(bundle / "data", split) for split in prepare_tasks.SPLITS}
     prepare_tasks.check_lists(lists, prepare_tasks.Counts())
-    return len(lists["train"]), len(lists["test"])
 
 
 def bundle_files(bundle: Path) -> list[str]:
@@ -150,22 +167,25 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
                                  "with --checkpoint")
 
 
-def checked_count(value: str | int, var: str, upper: int, why: str) -> int:
-    """A whole number in 1..upper."""
+def smoke_repo(adapter_repo: str) -> str:
+    """The smoke run's own repo: its final adapter must not land in the real run's (the eval watcher stops at it)."""
     try:
-        count = int(str(value).strip())
-    except ValueError:
-        raise recipe.ConfigError(f"{var}={value!r} is not a whole number: use 1..{upper}") from None
-    if not 1 <= count <= upper:
-        raise recipe.ConfigError(f"{var}={count} is out of range: use 1..{upper} ({why})")
-    return count
+        return recipe.require_repo_id(f"{adapter_repo}{SMOKE_SUFFIX}", "ADAPTER_REPO")
+    except recipe.ConfigError:
+        raise recipe.ConfigError(
+            f"ADAPTER_REPO={adapter_repo!r} cannot take the '{SMOKE_SUFFIX}' suffix the smoke run pushes to "
+            f"({adapter_repo}{SMOKE_SUFFIX} is not a valid repo id; a name has at most 96 characters): "
+            "use a shorter ADAPTER_REPO name") from None
 
 
-def checked_checkpoint(value: str) -> str:
-    """'final' or 'checkpoint-N', the folder names the trainer pushes."""
-    if not is_checkpoint(value):
-        raise recipe.ConfigError(f"CHECKPOINT={value!r} is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'")
-    return value
+def passed_knobs(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
+    """The JOB_KNOBS of `mode` that were given, checked and written as the job reads them (flags as 1/0)."""
+    passed = {}
+    for name in JOB_KNOBS[mode]:
+        given = getattr(args, name.lower())
+        if str(given if given is not None else env.get(name, "")).strip():
+            passed[name] = recipe.shell_value(recipe.knob(name, env, given))
+    return passed
 
 
 def checked_sandbox(sandbox: str, env: dict[str, str]) -> dict[str, str]:
@@ -193,18 +213,29 @@ def job_command(code_repo: str, revision: str, script: str) -> list[str]:
     return ["bash", "-c", " && ".join(steps)]
 
 
-def job_env(mode: str, adapter_repo: str, args: argparse.Namespace) -> dict[str, str]:
+def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """The environment the job's script reads (everything else comes from recipe.py inside the bundle)."""
-    env = {"ADAPTER_REPO": adapter_repo}
-    if mode in ("train", "smoke"):
-        env["MAX_STEPS"] = str(args.max_steps)
+    job = {"ADAPTER_REPO": adapter_repo}
+    if mode == "train":
+        job["MAX_STEPS"] = str(recipe.knob("MAX_STEPS", env, args.max_steps))
+    elif mode == "smoke":
+        job["MAX_STEPS"] = str(recipe.SMOKE_STEPS)
     elif mode == "eval-watch":
-        env["N_TASKS"] = str(args.n_tasks)
+        job["N_TASKS"] = str(recipe.knob("N_TASKS", env, args.n_tasks))
     else:
-        env["CHECKPOINT"] = args.checkpoint
+        job["CHECKPOINT"] = recipe.knob("CHECKPOINT", env, args.checkpoint)
     if args.sandbox != recipe.SANDBOX:
-        env["SANDBOX"] = args.sandbox
-    return env
+        job["SANDBOX"] = args.sandbox
+    return {**job, **passed_knobs(mode, args, env)}
+
+
+def notes(mode: str, env: dict[str, str]) -> list[str]:
+    """What the launch does differently from what the environment asks for, said rather than done silently."""
+    asked = env.get("MAX_STEPS", "").strip()
+    if mode == "smoke" and asked and asked != str(recipe.SMOKE_STEPS):
+        return [f"smoke always runs MAX_STEPS={recipe.SMOKE_STEPS}: MAX_STEPS={asked} from the environment is "
+                "ignored (use `train --max-steps N` for a run of another length)"]
+    return []
 
 
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str]) -> dict[str, Any]:
@@ -261,22 +292,24 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
                              "DAYTONA_API_KEY/E2B_API_KEY)")
     common.add_argument("--bundle-dir", type=Path, default=Path(env.get("BUNDLE_DIR", HERE)),
                         help="checkout to upload (env BUNDLE_DIR, default this script's folder)")
-    common.add_argument("--dry-run", action="store_true", default=env.get("DRY_RUN") == "1",
-                        help="print the job spec and the files to upload as JSON; touch nothing remote (env DRY_RUN=1)")
+    common.add_argument("--dry-run", action="store_true",
+                        help="print the job spec and the files to upload as JSON; touch nothing remote "
+                             "(env DRY_RUN=1, or true/yes/on)")
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train", parents=[common], help=f"full training run ({recipe.TRAIN_FLAVOR})")
-    train.add_argument("--max-steps", default=env.get("MAX_STEPS", recipe.MAX_STEPS),
-                       help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
+    train.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
     smoke = sub.add_parser("smoke", parents=[common], help=f"MAX_STEPS={recipe.SMOKE_STEPS} smoke run into "
                            f"<ADAPTER_REPO>{SMOKE_SUFFIX}: do this first")
-    smoke.set_defaults(max_steps=recipe.SMOKE_STEPS)
     watch = sub.add_parser("eval-watch", parents=[common], help="per-checkpoint eval worker (live learning curve)")
-    watch.add_argument("--n-tasks", default=env.get("N_TASKS", recipe.EVAL_WATCH_TASKS),
-                       help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
+    watch.add_argument("--n-tasks", help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
     evaluate = sub.add_parser("eval", parents=[common], help="standalone base-vs-adapter eval of one checkpoint")
-    evaluate.add_argument("--checkpoint", default=env.get("CHECKPOINT", "final"),
-                          help="checkpoint-N or final (env CHECKPOINT, default final)")
+    evaluate.add_argument("--checkpoint", help="checkpoint-N or final (env CHECKPOINT, default final)")
+    for mode, sub_parser in (("train", train), ("smoke", smoke), ("eval-watch", watch), ("eval", evaluate)):
+        for name in JOB_KNOBS[mode]:
+            sub_parser.add_argument(f"--{name.lower().replace('_', '-')}", dest=name.lower(),
+                                    help=f"passed to the job as {name} (env {name}; unset: the job's default, "
+                                         f"{recipe.shell_value(recipe.ENV_KNOBS[name][0])})")
     return parser.parse_args(argv)
 
 
@@ -284,33 +317,31 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
            hub_version: str, make_api: Callable[[str], Any]) -> dict[str, Any]:
     """Preflight, then (unless --dry-run) upload the bundle and start the job; return what was (or would be) done."""
     mode, bundle = args.mode, args.bundle_dir
+    from_env = recipe.knob("DRY_RUN", env)  # checked even beside --dry-run: a typo there is refused, not ignored
+    args.dry_run = args.dry_run or from_env
     if not args.dry_run:
         check_hub_version(hub_version)
     token = checked_token(env, stored_token)
     adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
-    if mode == "smoke":  # its final adapter must not land in the real run's repo (the eval watcher stops at it)
-        adapter_repo = recipe.require_repo_id(f"{adapter_repo}{SMOKE_SUFFIX}", "ADAPTER_REPO")
-    n_train, n_test = check_task_lists(bundle)
+    if mode == "smoke":
+        adapter_repo = smoke_repo(adapter_repo)
+    check_bundle_dir(bundle)
+    check_task_lists(bundle)
     files = bundle_files(bundle)
     check_bundle(bundle, mode, files)
-    if mode in ("train", "smoke"):
-        args.max_steps = checked_count(args.max_steps, "MAX_STEPS", n_train, "one training task per step")
-    elif mode == "eval-watch":
-        args.n_tasks = checked_count(args.n_tasks, "N_TASKS", n_test, "tasks in data/test.json")
-    else:
-        args.checkpoint = checked_checkpoint(args.checkpoint)
+    job_vars = job_env(mode, adapter_repo, args, env)
     secrets = {"HF_TOKEN": token, **checked_sandbox(args.sandbox, env)}
-    job_vars = job_env(mode, adapter_repo, args)
+    said = {"notes": told} if (told := notes(mode, env)) else {}
     if args.dry_run:
         spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets)
-        return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files}}
+        return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files}, **said}
     api = make_api(token)
-    check_adapter_repo(api, mode, adapter_repo, getattr(args, "checkpoint", None))
+    check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"))
     revision = upload_bundle(api, code_repo, bundle, files)
     spec = job_spec(mode, code_repo, revision, job_vars, secrets)
     job = api.run_job(**spec, token=token)
     return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files, "revision": revision},
-            "follow": follow_lines(job)}
+            "follow": follow_lines(job), **said}
 
 
 def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
@@ -330,6 +361,8 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
     except PushError as err:  # the bundle did not land: no job was started
         print(f"launch.py: {err}", file=sys.stderr)
         return 1
+    for note in done.get("notes", []):
+        print(f"launch.py: note: {note}", file=sys.stderr)
     if args.dry_run:
         print(json.dumps(done, indent=2))
         return 0

@@ -1,9 +1,9 @@
 """Materialize the recipe's pinned SmolDataEnvs Harbor tasks; freeze task lists for other pools.
 
     # In every job (run_job.sh calls this): fetch exactly the listed tasks, verify, patch, write them out.
-    python prepare_tasks.py [--out DIR] [--train-source DIR] [--test-source DIR] [--split train|test|all]
+    python3 prepare_tasks.py [--out DIR] [--train-source DIR] [--test-source DIR] [--split train|test|all]
     # Only for another dataset revision or task pool (needs the Hub, or local snapshots of both datasets):
-    python prepare_tasks.py freeze [--train-source DIR] [--test-source DIR]
+    .venv/bin/python prepare_tasks.py freeze [--train-source DIR] [--test-source DIR]
 
 The recipe's own lists, data/train.json and data/test.json, are committed (the lineage's lists, see
 data/README.md); `freeze` would select different tasks. It writes the same format: one row per task,
@@ -61,7 +61,7 @@ HERE = Path(__file__).resolve().parent
 SPLITS = ("train", "test")
 FIELDS = ("name", "source", "notebook", "difficulty", "instruction_sha256")
 PROGRESS_EVERY = 100  # tasks between progress lines on stderr
-FREEZE_COMMAND = "python prepare_tasks.py freeze"
+FREEZE_COMMAND = ".venv/bin/python prepare_tasks.py freeze"
 # The recipe's lists are committed (data/README.md): a missing or damaged list is restored, not re-frozen.
 RESTORE = "restore the recipe's lists with `git checkout -- data`"
 OTHER_POOLS = f"`{FREEZE_COMMAND}` is only for another dataset revision or task pool"

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,7 +176,7 @@ def test_old_hub_fails_with_the_needed_version_before_anything_remote(capsys, mo
     rc, out, err = run_main(capsys, ["train", "--bundle-dir", str(bundle)], base_env())
     assert rc == 2 and out == ""
     assert err.count("\n") == 1 and "needs huggingface_hub>=2.1.1" in err
-    assert "uv run --no-project --with 'huggingface_hub>=2.1.1' --with tomli-w==1.2.0 python launch.py" in err
+    assert "uv run launch.py" in err and "huggingface_hub>=2.1.1 and tomli-w==1.2.0" in err
 
 
 def test_refused_upload_starts_no_job_and_says_so_in_one_line(capsys, monkeypatch, bundle, tmp_path):
@@ -300,6 +301,17 @@ PREFLIGHT = {
     "bad checkpoint": ("eval", _env(CHECKPOINT="ckpt-5"), "CHECKPOINT='ckpt-5' is not a checkpoint name"),
     "unknown sandbox": ("train", _env(SANDBOX="modal"), "SANDBOX='modal' is unknown"),
     "sandbox key missing": ("smoke", _env(SANDBOX="e2b"), "SANDBOX=e2b needs E2B_API_KEY"),
+    "bundle dir missing": ("train", lambda b, e: shutil.rmtree(b), "is not a folder: point --bundle-dir"),
+    "smoke suffix too long": ("smoke", _env(ADAPTER_REPO="alice/" + "n" * 96),
+                              "cannot take the '-smoke' suffix the smoke run pushes to"),
+    "dry run word": ("train", _env(DRY_RUN="maybe"), "DRY_RUN='maybe' is not a yes/no value"),
+    "checkpoint zero": ("eval", _env(CHECKPOINT="checkpoint-0"), "CHECKPOINT='checkpoint-0' is not a checkpoint"),
+    "save steps text": ("train", _env(SAVE_STEPS="abc"), "SAVE_STEPS='abc' is not a whole number"),
+    "weight sync word": ("smoke", _env(WEIGHT_SYNC="fast"), "WEIGHT_SYNC='fast' is not one of merge_free, stock"),
+    "stall minutes text": ("train", _env(STALL_MINUTES="abc"), "STALL_MINUTES='abc' is not a positive number"),
+    "final eval word": ("train", _env(FINAL_EVAL="maybe"), "FINAL_EVAL='maybe' is not a yes/no value"),
+    "idle hours text": ("eval-watch", _env(MAX_IDLE_HOURS="six"), "MAX_IDLE_HOURS='six' is not a positive number"),
+    "concurrency text": ("eval", _env(EVAL_CONCURRENCY="x"), "EVAL_CONCURRENCY='x' is not a whole number"),
 }
 
 
@@ -433,3 +445,71 @@ def test_a_fresh_clone_dry_runs_every_mode_without_the_hub(tmp_path, mode):
     plan = json.loads(res.stdout)
     assert {"data/train.json", "data/test.json"} <= set(plan["upload"]["files"])
     assert plan["job"]["flavor"] == EXPECTED[mode][1] and CANARY not in res.stdout
+
+
+# --- money and safety: DRY_RUN spellings, knobs the job gets, what the launcher says ------------------------------
+@pytest.mark.parametrize("word", ["1", "true", "TRUE", "yes", "On"])
+def test_dry_run_in_any_spelling_never_reaches_the_hub(capsys, monkeypatch, bundle, word):
+    monkeypatch.setattr(huggingface_hub, "__version__", "2.4.0")  # a real launch would go ahead here
+    rc, out, err = run_main(capsys, ["train", "--bundle-dir", str(bundle)], base_env(DRY_RUN=word))  # refuse_api
+    assert rc == 0, err
+    assert json.loads(out)["job"]["secrets"] == {"HF_TOKEN": launch.REDACTED}
+
+
+def test_dry_run_off_words_launch_for_real(capsys, monkeypatch, bundle, tmp_path):
+    monkeypatch.setattr(huggingface_hub, "__version__", "2.4.0")
+    hub = RecordingHub(tmp_path / "hub")
+    rc, _, err = run_main(capsys, ["train", "--bundle-dir", str(bundle)], base_env(DRY_RUN="off"), lambda t: hub)
+    assert rc == 0, err
+    assert len(hub.jobs) == 1
+
+
+def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
+    env = base_env(SAVE_STEPS="50", RESUME="true", WEIGHT_SYNC="stock", STALL_MINUTES="45", FINAL_EVAL="no",
+                   MAX_IDLE_HOURS="12", EVAL_CONCURRENCY="8")
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--save-steps", "25"], env)
+    assert rc == 0, err
+    assert json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "SAVE_STEPS": "25",
+                                             "RESUME": "1", "WEIGHT_SYNC": "stock", "STALL_MINUTES": "45",
+                                             "FINAL_EVAL": "0"}
+    rc, out, err = run_main(capsys, ["eval-watch", "--dry-run", "--bundle-dir", str(bundle)], env)
+    assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
+                                                         "MAX_IDLE_HOURS": "12", "EVAL_CONCURRENCY": "8"}
+    rc, out, err = run_main(capsys, ["eval", "--dry-run", "--bundle-dir", str(bundle), "--eval-concurrency", "4"], env)
+    assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final",
+                                                         "EVAL_CONCURRENCY": "4"}
+
+
+def test_smoke_says_it_ignores_max_steps(capsys, bundle):
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="5"))
+    plan = json.loads(out)
+    assert rc == 0 and plan["job"]["env"]["MAX_STEPS"] == "20"
+    note = "smoke always runs MAX_STEPS=20: MAX_STEPS=5 from the environment is ignored"
+    assert note in plan["notes"][0]
+    assert err.count("\n") == 1 and err.startswith("launch.py: note: ") and note in err
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="20"))
+    assert rc == 0 and err == "" and "notes" not in json.loads(out)
+
+
+# The job scripts' own preflight runs the launcher's checks: same value, same line, before step 1.
+SHARED = [("train", "run_job.sh", "MAX_STEPS", "1001"), ("train", "run_job.sh", "SAVE_STEPS", "abc"),
+          ("train", "run_job.sh", "WEIGHT_SYNC", "fast"), ("train", "run_job.sh", "STALL_MINUTES", "abc"),
+          ("train", "run_job.sh", "FINAL_EVAL", "maybe"), ("train", "run_job.sh", "RESUME", "later"),
+          ("train", "run_job.sh", "DRY_RUN", "maybe"), ("eval", "run_eval.sh", "CHECKPOINT", "checkpoint-0"),
+          ("eval", "run_eval.sh", "EVAL_CONCURRENCY", "0"), ("eval-watch", "run_eval_watch.sh", "N_TASKS", "500"),
+          ("eval-watch", "run_eval_watch.sh", "MAX_IDLE_HOURS", "six")]
+
+
+@pytest.mark.parametrize(("mode", "script", "var", "value"), SHARED, ids=[f"{s}-{v}" for _, s, v, _ in SHARED])
+def test_job_scripts_refuse_what_the_launcher_refuses_with_the_same_line(capsys, bundle, tmp_path, mode, script,
+                                                                         var, value):
+    rc, _, err = run_main(capsys, [mode, "--dry-run", "--bundle-dir", str(bundle)], base_env(**{var: value}))
+    assert rc == 2 and err.startswith("launch.py: ")
+    said = err.removeprefix("launch.py: ").strip()
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DRY_RUN": "1", "ADAPTER_REPO": ADAPTER,
+           "HF_TOKEN": CANARY, "JOB_ID": "abc", "LOG_DIR": str(tmp_path / "logs"), var: value}
+    job = subprocess.run(["bash", str(ROOT / script)], env=env, capture_output=True, text=True, timeout=60)
+    assert job.returncode != 0 and CANARY not in job.stdout + job.stderr
+    [line] = job.stderr.strip().splitlines()
+    assert line.split("ERROR: ", 1)[1] == said
+    assert "step 1/" not in job.stdout and "logs in" not in job.stdout  # stopped before step 1; no log folder yet

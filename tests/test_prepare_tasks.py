@@ -110,7 +110,7 @@ def test_missing_lists_are_restored_from_git_not_refrozen(tmp_path):
     assert res.returncode == 2
     line = error_line(res.stderr)
     assert "train.json is missing: restore the recipe's lists with `git checkout -- data`" in line
-    assert "`python prepare_tasks.py freeze` is only for another dataset revision or task pool" in line
+    assert "`.venv/bin/python prepare_tasks.py freeze` is only for another dataset revision or task pool" in line
     assert not out.exists()
 
 
