@@ -183,3 +183,46 @@ def test_help_works_whatever_the_environment_holds(script: str) -> None:
     assert result.returncode == 0, result.stderr[-2000:]
     assert result.stdout.startswith("usage: ") and "Traceback" not in result.stderr
 
+
+# --- the README runs what exists, as it says ----------------------------------------------------------------------
+def test_every_script_the_readme_runs_is_executable() -> None:
+    named = set(re.findall(r"\b([a-z_]+\.sh)\b", (ROOT / "README.md").read_text()))
+    scripts = {p.name for p in ROOT.glob("*.sh")}
+    assert {"run_job.sh", "serve_env.sh", "serve_policy.sh", "run_eval.sh"} <= named <= scripts
+    assert [name for name in sorted(named) if not os.access(ROOT / name, os.X_OK)] == []
+    tracked = subprocess.run(["git", "ls-files", "-s", *sorted(named)], cwd=ROOT, capture_output=True, text=True)
+    if tracked.returncode == 0 and tracked.stdout:  # a git checkout: the mode a fresh clone gets
+        assert {line.split()[0] for line in tracked.stdout.splitlines()} == {"100755"}, tracked.stdout
+
+
+def test_readme_launches_with_one_plain_command_in_any_shell() -> None:
+    readme = (ROOT / "README.md").read_text()
+    assert "$LAUNCH" not in readme and "LAUNCH=" not in readme
+    for mode in ("smoke", "train", "eval-watch", "eval --checkpoint"):
+        assert f"uv run launch.py {mode}" in readme
+
+
+def test_launcher_inline_metadata_brings_its_own_hub_client() -> None:
+    """`uv run launch.py` reads the PEP 723 block: it must ask for the hub client run_job(expose_public=) needs
+    and the tomli-w pin of requirements.txt (prepare_tasks.py imports it)."""
+    source = (ROOT / "launch.py").read_text()
+    block = re.search(r"^# /// script$\n((?:^#(?: .*)?$\n)+)^# ///$", source, re.M)
+    assert block, "launch.py has no `# /// script` block"
+    import tomllib
+
+    meta = tomllib.loads("\n".join(line[2:] for line in block.group(1).splitlines()))
+    deps = meta["dependencies"]
+    assert f"huggingface_hub>={recipe.LAUNCHER_HUB_MIN}" in deps
+    assert f"tomli-w{recipe.pinned_versions()['tomli-w']}" in deps
+    assert meta["requires-python"] == ">=3.12"
+
+
+def test_readme_vllm_serve_line_has_the_tool_flags_opencode_needs() -> None:
+    """The README's own `vllm serve ... --enable-lora` line must carry the tool-call flags serve_policy.sh always sets
+    (OpenCode sends tool_choice="auto"; without a parser every call is a 400)."""
+    lines = re.findall(r"`(vllm serve [^`]*)`", (ROOT / "README.md").read_text().replace("\n", " "))
+    assert lines, "README.md has no `vllm serve ...` line"
+    policy = (ROOT / "serve_policy.sh").read_text()
+    assert "--enable-auto-tool-choice --tool-call-parser lfm2" in policy
+    for line in lines:
+        assert "--enable-auto-tool-choice --tool-call-parser lfm2" in " ".join(line.split()), line
