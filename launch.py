@@ -263,7 +263,7 @@ def follow_lines(job: Any) -> list[str]:
         f"job id:       {job.id}",
         f"job page:     {job.url}",
         f"capture URL:  https://{job.id}--{recipe.PUBLIC_PORT}.hf.jobs/capture",
-        f"follow logs:  hf jobs logs -f {job.id}",
+        f"follow logs:  .venv/bin/hf jobs logs -f {job.id}",
     ]
 
 

@@ -168,7 +168,7 @@ def test_real_launch_uploads_the_bundle_and_calls_run_job(capsys, monkeypatch, b
     assert f"job id:       {job_id}" in out
     assert f"https://huggingface.co/jobs/alice/{job_id}" in out
     assert f"https://{job_id}--8000.hf.jobs/capture" in out
-    assert f"hf jobs logs -f {job_id}" in out
+    assert f".venv/bin/hf jobs logs -f {job_id}" in out  # the README's convention: hf is the venv's
 
 
 def test_old_hub_fails_with_the_needed_version_before_anything_remote(capsys, monkeypatch, bundle):
