@@ -145,6 +145,15 @@ PUSH_RETRIES = 5
 # First wait between push attempts, doubled each retry (30+60+120+240 s rides out a Hub blip).
 PUSH_BACKOFF_S = 30.0
 
+# --- Dashboard -----------------------------------------------------------------
+# Where training and eval metrics go (env REPORT_TO per run): Trackio, TensorBoard (needs `pip install
+# tensorboard`; the evals then log nothing to a dashboard) or none.
+REPORTERS = ("trackio", "tensorboard", "none")
+REPORT_TO = "trackio"
+# Trackio dashboard Space, created private under the HF token's owner (env DASHBOARD_SPACE; "local" = no Space,
+# Trackio logs on the machine only). Training, the eval watcher and the final eval all log to it.
+DASHBOARD_SPACE = "lfm-opencode-lora-rl-dashboard"
+
 # --- Checks shared by every entry point ----------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REQUIREMENTS = Path(__file__).with_name("requirements.txt")
