@@ -22,6 +22,7 @@ from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TrackioCallback
+from transformers.integrations.integration_utils import rewrite_logs
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
 
 import dashboard
@@ -111,9 +112,12 @@ class RatioRange(TrainerCallback):
 
 
 class SafeTrackioCallback(TrackioCallback):
-    """transformers' Trackio callback, started through dashboard.init_run: a Space failure falls back to local logs."""
+    """transformers' Trackio callback, started through dashboard.init_run (a Space failure falls back to local logs),
+    logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis.
+    """
 
     url: str | None = None
+    SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
 
     def setup(self, args: TrainingArguments, state: TrainerState, model: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
@@ -122,6 +126,14 @@ class SafeTrackioCallback(TrackioCallback):
                                            config=config)
             self._space_id = self._trackio.context_vars.current_space_id.get()
         self._initialized = True
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+               logs: dict[str, float] | None = None, **_: Any) -> None:
+        if not self._initialized:
+            self.setup(args, state, model)
+        if state.is_world_process_zero:
+            scalars = rewrite_logs({k: v for k, v in (logs or {}).items() if k not in self.SUMMARY_KEYS})
+            self._trackio.log({**scalars, "train/global_step": state.global_step}, step=state.global_step)
 
 
 def attach(trainer: Any) -> None:
