@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import httpx
 
 import adapter_repo
+import dashboard
 import recipe
 
 
@@ -476,8 +477,12 @@ def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: di
 
 # --- Entry point ---------------------------------------------------------------------
 def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, tasks: list[dict[str, Any]],
-             lora: LoraServer, work: Path, concurrency: int = recipe.EVAL_CONCURRENCY) -> dict[str, Any]:
-    """Base vs `checkpoint` on `tasks`, resumable, pushed to its full-eval file; returns the document."""
+             lora: LoraServer, work: Path, concurrency: int = recipe.EVAL_CONCURRENCY,
+             board: dashboard.EvalDashboard | None = None) -> dict[str, Any]:
+    """Base vs `checkpoint` on `tasks`, resumable, pushed to its full-eval file; returns the document.
+
+    With `board`, the summary is also logged to the run's Trackio project, next to the training curves.
+    """
     revision = api.repo_info(repo_id).sha
     adapter_dir = adapter_repo.download_adapter(api, repo_id, checkpoint, work / "adapter", revision=revision)
     path_in_repo = adapter_repo.full_results_path(checkpoint)
@@ -508,7 +513,26 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
     results.doc["complete"] = True
     write_json_atomic(results.path, results.doc)
     push_results(api, repo_id, path_in_repo, results)
+    if board is not None:
+        board.log(summary_metrics(results.doc["summary"]))
     return results.doc
+
+
+def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
+    """The final eval's summary as flat dashboard metrics (`final_eval/...`); absent numbers are left out."""
+    paired = summary["paired"]
+    values: dict[str, Any] = {"paired_tasks": paired["tasks"], "difference": paired["difference"],
+                              "mcnemar_p": paired["mcnemar_p"]}
+    intervals = {"difference": paired["ci95"]}
+    for side in ("base", "adapter"):
+        stats = summary[side]
+        values |= {f"{side}_pass_at_1": stats["pass_at_1"], f"{side}_scored": stats["scored"],
+                   f"{side}_unscorable": stats["unscorable"]}
+        intervals[side] = stats["ci95"]
+    for name, interval in intervals.items():
+        if interval:
+            values |= {f"{name}_ci95_low": interval[0], f"{name}_ci95_high": interval[1]}
+    return {f"final_eval/{key}": float(value) for key, value in values.items() if value is not None}
 
 
 def main() -> None:
@@ -536,8 +560,13 @@ def main() -> None:
     if len(tasks) != recipe.TEST_TASKS:
         raise recipe.ConfigError(f"split {factory.split!r} has {len(tasks)} tasks, the test split has "
                                  f"{recipe.TEST_TASKS}: point the env server at the test tasks or set EVAL_SPLIT")
-    doc = evaluate(api, repo_id, checkpoint, factory, tasks, LoraServer(args.vllm_url), Path(args.work_dir),
-                   concurrency)
+    board = dashboard.for_eval(repo_id, "eval", os.environ)
+    try:
+        doc = evaluate(api, repo_id, checkpoint, factory, tasks, LoraServer(args.vllm_url), Path(args.work_dir),
+                       concurrency, board)
+    finally:
+        if board is not None:
+            board.finish()
     print(json.dumps(doc["summary"], indent=1))
 
 

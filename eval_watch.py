@@ -29,6 +29,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dashboard
 import recipe
 from adapter_repo import (
     CURVE_PATH,
@@ -143,10 +144,13 @@ class Watcher:
                  tasks: list[dict[str, Any]], work: Path, n_tasks: int = recipe.EVAL_WATCH_TASKS,
                  concurrency: int = recipe.EVAL_CONCURRENCY, poll_s: float = recipe.EVAL_POLL_SECONDS,
                  max_idle_s: float = recipe.MAX_IDLE_HOURS * 3600,
-                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep) -> None:
+                 clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
+                 board: dashboard.EvalDashboard | None = None) -> None:
         self.api, self.repo_id, self.factory, self.lora = api, repo_id, factory, lora
         self.tasks, self.work, self.n_tasks, self.concurrency = tasks, work, n_tasks, concurrency
         self.poll_s, self.max_idle_s, self.clock, self.sleep = poll_s, max_idle_s, clock, sleep
+        self.board = board
+        self.logged_steps: set[int] = set()
 
     # -- the subset and the base cells ------------------------------------------------------
     def subset_tasks(self) -> list[dict[str, Any]]:
@@ -219,7 +223,29 @@ class Watcher:
                     CURVE_PATH: learning_curve_png(out["summary"])}
 
         commit_cas(self.api, self.repo_id, build, "eval: summary + learning curve")
+        self.log_curve(out["summary"])
         return out["summary"]
+
+    def log_curve(self, summary: dict[str, Any]) -> None:
+        """Each fully evaluated checkpoint's pass@1 with its 95% interval, and the base line, at its training step.
+
+        One point per step: the final adapter is the last checkpoint's weights, so it adds a point only when no
+        checkpoint-N had its step.
+        """
+        if self.board is None:
+            return
+        base = summary.get("base") or {}
+        for row in summary["checkpoints"]:
+            if not row["complete"] or row["pass_at_1"] is None or row["step"] in self.logged_steps:
+                continue
+            point = {"eval/pass_at_1": row["pass_at_1"], "eval/pass_at_1_ci95_low": row["ci95"][0],
+                     "eval/pass_at_1_ci95_high": row["ci95"][1], "eval/scored": row["scored"],
+                     "eval/unscorable": row["unscorable"]}
+            if base.get("pass_at_1") is not None:
+                point |= {"eval/base_pass_at_1": base["pass_at_1"], "eval/base_ci95_low": base["ci95"][0],
+                          "eval/base_ci95_high": base["ci95"][1]}
+            self.board.log(point, step=row["step"])
+            self.logged_steps.add(row["step"])
 
     # -- the loop --------------------------------------------------------------------------------
     def pending(self, head: str) -> tuple[list[tuple[int, str]], bool]:
@@ -309,9 +335,14 @@ def main() -> None:
     factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
     tasks = factory.tasks()
     choose_subset(len(tasks), n_tasks)
+    board = dashboard.for_eval(repo_id, "eval-watch", os.environ)
     watcher = Watcher(api, repo_id, factory, LoraServer(args.vllm_url), tasks, Path(args.work_dir),
-                      n_tasks=n_tasks, max_idle_s=max_idle_s, concurrency=concurrency)
-    print(f"eval_watch: stopped ({watcher.run()})")
+                      n_tasks=n_tasks, max_idle_s=max_idle_s, concurrency=concurrency, board=board)
+    try:
+        print(f"eval_watch: stopped ({watcher.run()})")
+    finally:
+        if board is not None:
+            board.finish()
 
 
 if __name__ == "__main__":

@@ -23,10 +23,8 @@ from pathlib import Path
 from typing import Any
 
 import adapter_repo
+import model_cards
 import recipe
-
-LICENSE_LINK = f"https://huggingface.co/{recipe.BASE_MODEL}/blob/main/LICENSE"
-TAGS = ["lora", "peft", "grpo", "trl", "reinforcement-learning", "agent", "opencode", "lfm2"]
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -87,54 +85,6 @@ def usable_results(doc: dict[str, Any] | None, checkpoint: str) -> dict[str, Any
 
 
 # --- the model card ------------------------------------------------------------------------------------------
-def front_matter(merged: bool) -> str:
-    """YAML metadata the Hub reads: base model, library, the LFM Open License, tags, datasets."""
-    from huggingface_hub import ModelCardData
-
-    data = ModelCardData(
-        base_model=recipe.BASE_MODEL,
-        base_model_relation="finetune" if merged else "adapter",
-        library_name="transformers" if merged else "peft",
-        license="other",
-        license_name="lfm1.0",
-        license_link=LICENSE_LINK,
-        pipeline_tag="text-generation",
-        tags=TAGS + (["merged-lora"] if merged else []),
-        datasets=[recipe.TRAIN_DATASET, recipe.TEST_DATASET],
-    )
-    return f"---\n{data.to_yaml()}\n---\n"
-
-
-def recipe_rows(checkpoint: str) -> list[tuple[str, str]]:
-    """How it was trained, read from recipe.py and requirements.txt (never retyped)."""
-    r = recipe
-    pins = r.pinned_versions()
-    stack = ", ".join(f"`{name}{pins[name]}`" for name in ("trl", "transformers", "peft", "openenv") if name in pins)
-    steps = checkpoint.removeprefix("checkpoint-") if checkpoint != "final" else f"{r.MAX_STEPS} (recipe)"
-    return [
-        ("Base model", f"`{r.BASE_MODEL}` (revision `{r.BASE_MODEL_REVISION}`)"),
-        ("Algorithm", "async GRPO: TRL `AsyncGRPOTrainer` + `HarnessRolloutWorker`, agent loop owned by OpenCode"),
-        ("LoRA", f"r={r.LORA_R}, alpha={r.LORA_ALPHA}, dropout {r.LORA_DROPOUT}, targets "
-                 f"`{', '.join(r.LORA_TARGET_MODULES)}` (short-conv projections left out)"),
-        ("Optimizer steps", f"{steps}; this adapter: `{checkpoint}`"),
-        ("GRPO group", f"{r.NUM_GENERATIONS} rollouts of one task per optimizer step"),
-        ("Learning rate", f"{r.LEARNING_RATE:g}"),
-        ("Sampling", f"temperature {r.TEMPERATURE}, top_p {r.TOP_P}, top_k {r.TOP_K} (disabled): full vocabulary"),
-        ("Output cap", f"{r.MAX_TOKENS} tokens per model call, same in training and eval"),
-        ("Agent budget", f"{r.MAX_TOOL_CALLING_ITERATIONS} model calls per rollout"),
-        ("Max staleness", f"{r.MAX_STALENESS} optimizer steps"),
-        ("Reward", f"`{r.CORRECT_REWARD} × env_reward + {r.TOOL_BONUS} × max(0, ({r.TOOL_BUDGET} − tool_calls) / "
-                   f"{r.TOOL_BUDGET})`, the bonus on correct answers only"),
-        ("Train tasks", f"`{r.TRAIN_DATASET}` @ `{r.TRAIN_REVISION}`: {r.TRAIN_MEDIUM} medium + {r.TRAIN_HARD} hard"),
-        ("Test tasks", f"`{r.TEST_DATASET}` @ `{r.TEST_REVISION}`: {r.TEST_TASKS} held out (no shared notebook "
-                       "or question)"),
-        ("Precision", f"trainer {r.TRAINER_DTYPE} (frozen base + LoRA), vLLM serves {r.SERVE_DTYPE}"),
-        ("Hardware", f"HF Jobs `{r.TRAIN_FLAVOR}` (trainer GPU {r.TRAINER_GPU}, vLLM GPU {r.VLLM_GPU}); one HF Sandbox "
-                     f"per rollout ({r.TASK_CPUS} CPU / {r.TASK_MEMORY_MB} MB)"),
-        ("Stack", f"{stack}, `{r.VLLM_IMAGE}`"),
-    ]
-
-
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -201,9 +151,9 @@ def model_card(target: str, checkpoint: str, results: dict[str, Any] | None, mer
     """The README.md pushed with the adapter (or the merged model)."""
     what = (f"`{recipe.BASE_MODEL}` with the LoRA adapter merged into its weights (a full model)" if merged else
             f"A LoRA adapter ({size_mb:.1f} MB) for `{recipe.BASE_MODEL}`")
-    table = ["| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint))]
+    data = model_cards.card_data(merged=merged, model_name=target.split("/")[-1], results=results)
     parts = [
-        front_matter(merged),
+        model_cards.front_matter(data),
         f"# {target.split('/')[-1]}",
         "",
         f"{what}, trained with reinforcement learning inside the unmodified OpenCode agent harness: each rollout "
@@ -212,7 +162,7 @@ def model_card(target: str, checkpoint: str, results: dict[str, Any] | None, mer
         "",
         "## How it was trained",
         "",
-        *table,
+        *model_cards.recipe_table(checkpoint),
         "",
     ]
     if results:

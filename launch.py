@@ -32,6 +32,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import dashboard
 import recipe
 from adapter_repo import (
     FINAL,
@@ -52,10 +53,12 @@ APP_DIR = "/app"
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
 COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
-                "adapter_repo.py", "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py")
+                "adapter_repo.py", "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py",
+                "dashboard.py")
 # Backends other than the default (recipe.SANDBOX, HF Sandboxes under HF_TOKEN), and the secret each needs.
 SANDBOX_KEYS = {"daytona": "DAYTONA_API_KEY", "e2b": "E2B_API_KEY"}
 REDACTED = "<redacted>"
+TOKEN_OWNER = "<token owner>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
 _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 # Job knobs the launcher passes on when given (flag or environment variable), checked here by the same
@@ -69,9 +72,11 @@ JOB_KNOBS: dict[str, tuple[str, ...]] = {
 
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py"),
+    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py", "run_metrics.py",
+                                                "model_cards.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py"),
+    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py", "run_metrics.py",
+                                                "model_cards.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.SMOKE_TIMEOUT},
     "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
                    "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
@@ -226,6 +231,9 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
         job["CHECKPOINT"] = recipe.knob("CHECKPOINT", env, args.checkpoint)
     if args.sandbox != recipe.SANDBOX:
         job["SANDBOX"] = args.sandbox
+    job["REPORT_TO"] = args.report_to
+    if args.dashboard_space != recipe.DASHBOARD_SPACE:
+        job["DASHBOARD_SPACE"] = args.dashboard_space
     return {**job, **passed_knobs(mode, args, env)}
 
 
@@ -250,6 +258,27 @@ def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secr
         "expose_public": [recipe.PUBLIC_PORT],
         "name": f"{PROJECT}-{mode}",
     }
+
+
+def dashboard_info(args: argparse.Namespace, adapter_repo: str, owner: str) -> dict[str, str] | None:
+    """Where the run's Trackio dashboard will be: a private Space under the token's owner, or local logs."""
+    if args.report_to != "trackio":
+        return None
+    info = {"project": dashboard.project(adapter_repo)}
+    space = dashboard.space({"DASHBOARD_SPACE": args.dashboard_space})
+    if space:
+        info["url"] = dashboard.SPACE_URL.format(dashboard.space_id(space, owner))
+    else:
+        info["local"] = "Trackio logs stay in the job (DASHBOARD_SPACE=local)"
+    return info
+
+
+def token_owner(api: Any) -> str:
+    """The token's user name (the dashboard Space's owner); a failed lookup only blurs the printed URL."""
+    try:
+        return api.whoami()["name"]
+    except Exception:  # noqa: BLE001 - the job resolves the owner itself; the launch goes on
+        return TOKEN_OWNER
 
 
 def redacted(spec: dict[str, Any]) -> dict[str, Any]:
@@ -290,6 +319,12 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     common.add_argument("--sandbox", default=env.get("SANDBOX", recipe.SANDBOX),
                         help=f"task sandbox backend (env SANDBOX, default {recipe.SANDBOX}; daytona/e2b need "
                              "DAYTONA_API_KEY/E2B_API_KEY)")
+    common.add_argument("--report-to", default=env.get("REPORT_TO", recipe.REPORT_TO),
+                        help=f"training/eval dashboard: {', '.join(recipe.REPORTERS)} (env REPORT_TO, default "
+                             f"{recipe.REPORT_TO})")
+    common.add_argument("--dashboard-space", default=env.get("DASHBOARD_SPACE", recipe.DASHBOARD_SPACE),
+                        help=f"Trackio Space, private, under the token's owner; {dashboard.LOCAL} = no Space (env "
+                             f"DASHBOARD_SPACE, default {recipe.DASHBOARD_SPACE})")
     common.add_argument("--bundle-dir", type=Path, default=Path(env.get("BUNDLE_DIR", HERE)),
                         help="checkout to upload (env BUNDLE_DIR, default this script's folder)")
     common.add_argument("--dry-run", action="store_true",
@@ -329,19 +364,25 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     check_task_lists(bundle)
     files = bundle_files(bundle)
     check_bundle(bundle, mode, files)
+    dashboard.checked_reporter(args.report_to)
     job_vars = job_env(mode, adapter_repo, args, env)
     secrets = {"HF_TOKEN": token, **checked_sandbox(args.sandbox, env)}
     said = {"notes": told} if (told := notes(mode, env)) else {}
     if args.dry_run:
         spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets)
-        return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files}, **said}
+        return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files},
+                "dashboard": dashboard_info(args, adapter_repo, TOKEN_OWNER), **said}
     api = make_api(token)
     check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"))
     revision = upload_bundle(api, code_repo, bundle, files)
     spec = job_spec(mode, code_repo, revision, job_vars, secrets)
     job = api.run_job(**spec, token=token)
+    board = dashboard_info(args, adapter_repo, token_owner(api))
+    follow = follow_lines(job)
+    if board:
+        follow.append(f"dashboard:    {board.get('url') or board['local']} (Trackio project {board['project']})")
     return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files, "revision": revision},
-            "follow": follow_lines(job), **said}
+            "follow": follow, "dashboard": board, **said}
 
 
 def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,

@@ -183,6 +183,14 @@ PUSH_BACKOFF_S = 30.0
 
 # Trainer weight-sync modes (weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
 WEIGHT_SYNC_MODES = ("merge_free", "stock")
+# --- Dashboard -----------------------------------------------------------------
+# Where training and eval metrics go (env REPORT_TO per run): Trackio, TensorBoard (needs `pip install
+# tensorboard`; the evals then log nothing to a dashboard) or none.
+REPORTERS = ("trackio", "tensorboard", "none")
+REPORT_TO = "trackio"
+# Trackio dashboard Space, created private under the HF token's owner (env DASHBOARD_SPACE; "local" = no Space,
+# Trackio logs on the machine only). Training, the eval watcher and the final eval all log to it.
+DASHBOARD_SPACE = "lfm-opencode-lora-rl-dashboard"
 
 # --- Checks shared by every entry point ----------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

@@ -35,6 +35,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import adapter_repo
+import dashboard
 import recipe
 
 if TYPE_CHECKING:
@@ -70,6 +71,9 @@ class Settings:
     weight_sync: str = "merge_free"
     sandbox: str = "hf-sandbox"
     device: str = "cuda"
+    report_to: str = recipe.REPORT_TO
+    dashboard_space: str | None = recipe.DASHBOARD_SPACE
+    run_name: str = "train"
 
     def public(self) -> dict[str, Any]:
         """Every field except the token, for logs and --dry-run."""
@@ -129,6 +133,9 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         weight_sync=recipe.knob("WEIGHT_SYNC", env),
         sandbox=sandbox,
         device=_choice(env, "DEVICE", "cuda", DEVICES),
+        report_to=dashboard.reporter(env),
+        dashboard_space=dashboard.space(env),
+        run_name=dashboard.run_name("train", env),
     )
 
 
@@ -225,7 +232,14 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
         # must read the same number. Same value TRL's auto rule gives.
         max_inflight_tasks=recipe.MAX_STALENESS * samples_per_step,
         vllm_server_base_url=settings.vllm_url,
-        report_to="none",
+        report_to=settings.report_to,
+        # Trackio: one project per adapter repo, one run per job, a private Space under the token's owner that stays
+        # live after training (no static copy); dashboard.init_run falls back to local logs if it cannot be reached.
+        project=dashboard.project(settings.adapter_repo),
+        run_name=settings.run_name,
+        trackio_space_id=settings.dashboard_space,
+        trackio_static_space_id=False,
+        hub_private_repo=True,
         **batching,
     )
 
@@ -323,15 +337,15 @@ def rollout_worker(
     """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none).
 
     Its sessions go through rollout_guard (per-rollout failures unscorable and counted, systematic ones stop the
-    job), and while the trainer waits on it for samples, finished rollouts count as progress for the watchdog.
+    job), and while the trainer waits on it for samples, finished rollouts count as progress for the watchdog. Its
+    run_metrics base also counts unscorable, timed-out and forked rollouts and tool calls per rollout for the dashboard.
     """
-    from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
-
     import rollout_guard
+    from run_metrics import RecipeRolloutWorker
 
     ledger = rollout_guard.ledger_path(settings.heartbeat_file)
 
-    class ProgressWorker(HarnessRolloutWorker):
+    class ProgressWorker(RecipeRolloutWorker):
         def check_health(self, stale_after_s: float) -> None:
             """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
             super().check_health(stale_after_s)
@@ -434,7 +448,8 @@ def check_device(settings: Settings) -> None:
 def build_trainer(
     settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
 ) -> AsyncGRPOTrainer:
-    """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC) with its worker, LoRA, heartbeat and checkpoint push."""
+    """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC): worker, LoRA, heartbeat, checkpoint push, metrics."""
+    import run_metrics
     import weight_sync
 
     recipe.check_versions()
@@ -444,7 +459,7 @@ def build_trainer(
     tokenizer = load_tokenizer(settings)
     worker = rollout_worker(settings, tokenizer, dataset, factory)
     trainer_cls = weight_sync.trainer_class(settings.weight_sync)
-    return trainer_cls(
+    trainer = trainer_cls(
         model=settings.model,
         args=grpo_config(settings),
         train_dataset=dataset,
@@ -457,12 +472,18 @@ def build_trainer(
         rollout_worker=worker,
         weight_transfer=weight_transfer,
     )
+    run_metrics.attach(trainer)
+    return trainer
 
 
 def train(
     settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
 ) -> None:
-    """Resume from the adapter repo if it has a complete checkpoint, train, then push the final adapter to its root."""
+    """Resume from the adapter repo if it has a complete checkpoint, train, then push the final adapter (and the
+    training repo's model card) to its root."""
+    import model_cards
+    import run_metrics
+
     recipe.check_versions()
     check_device(settings)
     api = api if api is not None else hub_api(settings)
@@ -473,6 +494,9 @@ def train(
     trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
     final_dir = Path(settings.output_dir) / "final"
     trainer.save_model(str(final_dir))
+    card = model_cards.training_card(settings.adapter_repo, trainer.state.global_step,
+                                     run_metrics.dashboard_url(trainer))
+    (final_dir / "README.md").write_text(card)
     adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
 
 

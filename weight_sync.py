@@ -221,6 +221,7 @@ class FusedMerge:
         self.kernel = kernel
         self.trusted: dict[str, bool] = {}
         self.broken = False
+        self.used = 0  # tensors the kernel has merged and sent so far (the one-time checks not counted)
 
     def merged(
         self, name: str, weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float,
@@ -228,6 +229,7 @@ class FusedMerge:
     ) -> torch.Tensor:
         """cast(W + scaling·(B @ A)) into `out`: by the kernel once trusted for `name`, else by cuBLAS + `add`."""
         if self.trusted.get(name) and not self.broken:
+            self.used += 1
             return self.kernel(weight, lora_a, lora_b, scaling, out)
         result = cublas_merged(weight, lora_a, lora_b, scaling, out, add)
         if name not in self.trusted and not self.broken and fits_merge_cast(weight, lora_a, lora_b, out):
@@ -408,6 +410,7 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         t_barrier = time.time()
         logger.info(f"Weight sync (merge-free): streaming weights... (barrier took {t_barrier - t_pause:.1f}s)")
         checked = len(self._fused.trusted) if self._fused is not None else 0
+        used = self._fused.used if self._fused is not None else 0
         if self.accelerator.is_main_process and self.weight_transfer:
             self.weight_transfer.send_weights(self._merge_free_iter())
         else:
@@ -417,6 +420,9 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         t_transfer = time.time()
         if self._fused is not None and len(self._fused.trusted) != checked:
             logger.info(f"Weight sync (merge-free): {self._fused.summary()}")
+        # Next to TRL's perf/weight_sync_s: tensors this sync sent through the checked fused kernel (0: cuBLAS's path).
+        fused = self._fused.used - used if self._fused is not None else 0
+        self._metrics["train"]["perf/weight_sync_fused_tensors"].append(float(fused))
         self.accelerator.wait_for_everyone()
         if self.accelerator.is_main_process:
             if self.weight_transfer:

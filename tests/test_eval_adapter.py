@@ -20,6 +20,7 @@ from hub_double import LocalHub
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
 import adapter_repo
+import dashboard
 import eval_adapter as ea
 import recipe
 from adapter_repo import push_folder
@@ -335,7 +336,10 @@ def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_d
 
     # A fresh machine (new work dir) resumes from the pushed cells only.
     factory = EvalFactoryDouble(vllm.url, outcome)
-    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, factory, tasks, lora, tmp_path / "work2", concurrency=1)
+    board = dashboard.EvalDashboard(REPO, "eval", {"DASHBOARD_SPACE": "local", "JOB_ID": tmp_path.name})
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, factory, tasks, lora, tmp_path / "work2", concurrency=1,
+                      board=board)
+    board.finish()
     assert len(factory.calls) == 16 - 6 + (recipe.EVAL_CELL_ATTEMPTS - 1)  # task 7 on the adapter is retried
     assert {m for _, m in factory.calls} == {recipe.SERVED_MODEL_NAME, "opencode-lora-final"}
     remote = json.loads((hub.root / REPO / "eval/final_results.json").read_text())
@@ -349,6 +353,15 @@ def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_d
                                "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS}
     assert doc["adapter_revision"] and doc["checkpoint"] == "final"
     assert vllm.loras == {}
+    # The summary, read back from Trackio's local storage (TRACKIO_DIR, set in conftest.py).
+    from trackio.sqlite_storage import SQLiteStorage
+
+    [logged] = SQLiteStorage.get_logs(dashboard.project(REPO), f"eval-{tmp_path.name}")
+    assert (logged["final_eval/base_pass_at_1"], logged["final_eval/adapter_pass_at_1"]) == (3 / 8, 5 / 7)
+    assert (logged["final_eval/adapter_scored"], logged["final_eval/adapter_unscorable"]) == (7, 1)
+    assert logged["final_eval/difference"] == s["paired"]["difference"]
+    assert [logged["final_eval/difference_ci95_low"], logged["final_eval/difference_ci95_high"]] == s["paired"]["ci95"]
+    assert [logged["final_eval/adapter_ci95_low"], logged["final_eval/adapter_ci95_high"]] == s["adapter"]["ci95"]
 
 
 # --- run_eval.sh ---------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from test_eval_adapter import _run_eval_job, make_eval_job
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
 import adapter_repo
+import dashboard
 import eval_adapter as ea
 import eval_watch as ew
 import export_adapter
@@ -137,7 +138,9 @@ def test_watcher_evaluates_checkpoints_in_order_and_stops_after_final(hub, vllm,
     clock = Clock(lambda: push_folder(hub, REPO, adapter_dir, "checkpoint-300", marker=True),
                   lambda: push_folder(hub, REPO, adapter_dir, ""))  # the training job's final adapter
     factory = EvalFactoryDouble(vllm.url, outcome)
-    assert watcher(hub, vllm, factory, tmp_path / "w", clock).run() == "final"
+    board = dashboard.EvalDashboard(REPO, "eval-watch", {"DASHBOARD_SPACE": "local", "JOB_ID": tmp_path.name})
+    assert watcher(hub, vllm, factory, tmp_path / "w", clock, board=board).run() == "final"
+    board.finish()
 
     models = [m for i, (_, m) in enumerate(factory.calls) if i == 0 or factory.calls[i - 1][1] != m]
     assert models == [recipe.SERVED_MODEL_NAME] + [f"opencode-lora-{c}" for c in
@@ -154,7 +157,26 @@ def test_watcher_evaluates_checkpoints_in_order_and_stops_after_final(hub, vllm,
     unscorable = 11 in subset
     assert len(base_calls) == N_TASKS + unscorable * (recipe.EVAL_CELL_ATTEMPTS - 1)
     assert clock.sleeps == 2
-    assert_summary_is_recount(hub)
+    summary = assert_summary_is_recount(hub)
+    assert_trackio_curve(summary, f"eval-watch-{tmp_path.name}")
+
+
+def assert_trackio_curve(summary, run):
+    """The learning curve read back from Trackio's local storage: one point per checkpoint step, with the base line.
+
+    The final adapter has checkpoint-300's step (it is that step's weights), so it adds no second point there.
+    """
+    from trackio.sqlite_storage import SQLiteStorage
+
+    rows = SQLiteStorage.get_logs(dashboard.project(REPO), run)
+    assert [row["step"] for row in rows] == [100, 200, 300]
+    by_step = {r["step"]: r for r in summary["checkpoints"] if r["checkpoint"] != ea.FINAL}
+    for row in rows:
+        expected = by_step[row["step"]]
+        assert row["eval/pass_at_1"] == expected["pass_at_1"]
+        assert [row["eval/pass_at_1_ci95_low"], row["eval/pass_at_1_ci95_high"]] == expected["ci95"]
+        assert row["eval/base_pass_at_1"] == summary["base"]["pass_at_1"]
+        assert [row["eval/base_ci95_low"], row["eval/base_ci95_high"]] == summary["base"]["ci95"]
 
 
 def assert_summary_is_recount(hub):

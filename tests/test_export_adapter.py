@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from huggingface_hub import ModelCard
 from peft import PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
@@ -124,6 +125,33 @@ def test_local_export_card_and_adapter_round_trip(made, tmp_path, capsys):
     assert not torch.allclose(made["final"], made["plain"], atol=1e-3)  # the adapter matters
     assert json.loads((out / "adapter" / "eval" / "final_results.json").read_text())["complete"] is True
     assert not (out / "merged").exists()
+
+
+def test_card_metadata_and_model_index_parse_back_with_huggingface_hub(made, tmp_path, capsys):
+    """huggingface_hub's own parser reads the card: base model + revision, datasets + revisions, the model-index."""
+    out = tmp_path / "out"
+    rc, _, err = run(["--source", str(made["source"]), "--target", TARGET, "--local-dir", str(out)], capsys)
+    assert rc == 0, err
+    data = ModelCard.load(out / "adapter" / "README.md").data
+    assert (data.base_model, data.base_model_revision) == (recipe.BASE_MODEL, recipe.BASE_MODEL_REVISION)
+    assert (data.library_name, data.base_model_relation) == ("peft", "adapter")
+    assert data.datasets == [recipe.TRAIN_DATASET, recipe.TEST_DATASET]
+    assert data.dataset_revisions == {recipe.TRAIN_DATASET: recipe.TRAIN_REVISION,
+                                      recipe.TEST_DATASET: recipe.TEST_REVISION}
+    assert data.model_name == TARGET.split("/")[-1]
+    [result] = data.eval_results
+    assert (result.task_type, result.metric_type, result.dataset_split) == ("text-generation", "pass@1", "test")
+    assert (result.dataset_type, result.dataset_revision) == (recipe.TEST_DATASET, recipe.TEST_REVISION)
+    assert result.metric_value == pytest.approx(6 / 10)  # the adapter side of results_doc(), counted by hand
+    low, high = eval_adapter.wilson_ci(6, 10)
+    assert result.metric_args == {"scored": 10, "correct": 6, "unscorable": 0, "ci95_low": low, "ci95_high": high}
+
+    shutil.rmtree(out)
+    source = tmp_path / "run"
+    shutil.copytree(made["source"], source, ignore=shutil.ignore_patterns("eval"))
+    rc, _, err = run(["--source", str(source), "--target", TARGET, "--local-dir", str(out)], capsys)
+    assert rc == 0, err
+    assert ModelCard.load(out / "adapter" / "README.md").data.eval_results is None  # no eval, no model-index
 
 
 def card_for(source: Path, tmp_path: Path, capsys, *extra: str) -> str:

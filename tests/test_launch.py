@@ -29,16 +29,17 @@ ADAPTER = "alice/LFM2.5-2.6B-opencode-lora-RL"
 CODE = "alice/lfm-opencode-lora-rl-code"
 # What the recipe says each job is (recipe.txt "Launch"/"Evaluation"), written out on purpose.
 EXPECTED = {
-    "train": ("run_job.sh", "h200x2", "72h", {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000"}),
-    "smoke": ("run_job.sh", "h200x2", "2h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MAX_STEPS": "20"}),
-    "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100"}),
-    "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final"}),
+    "train": ("run_job.sh", "h200x2", "72h", {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "REPORT_TO": "trackio"}),
+    "smoke": ("run_job.sh", "h200x2", "2h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MAX_STEPS": "20",
+                                             "REPORT_TO": "trackio"}),
+    "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
+                                                        "REPORT_TO": "trackio"}),
+    "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final", "REPORT_TO": "trackio"}),
 }
 SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
-           "weight_sync.py", "rollout_guard.py",
-           "run_eval_watch.sh", "eval_watch.py", "run_eval.sh", "launch.py", "export_adapter.py", "README.md",
-           "requirements.txt"]
+           "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py", "run_eval.sh", "launch.py",
+           "export_adapter.py", "README.md", "requirements.txt", "dashboard.py", "run_metrics.py", "model_cards.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -78,6 +79,9 @@ def bundle(tmp_path: Path) -> Path:
 
 class RecordingHub(LocalHub):
     """LocalHub (whose `run_job` records each job) plus a way to seed adapters."""
+
+    def whoami(self, token: str | None = None, *, cache: bool = False) -> dict:
+        return {"type": "user", "name": "alice"}
 
     def seed_adapter(self, repo_id: str, folder: str = "") -> None:
         """Put an adapter's two files into `repo_id` (at the root = a finished run's final adapter; in a checkpoint
@@ -169,6 +173,9 @@ def test_real_launch_uploads_the_bundle_and_calls_run_job(capsys, monkeypatch, b
     assert f"https://huggingface.co/jobs/alice/{job_id}" in out
     assert f"https://{job_id}--8000.hf.jobs/capture" in out
     assert f".venv/bin/hf jobs logs -f {job_id}" in out  # the README's convention: hf is the venv's
+    project = "LFM2.5-2.6B-opencode-lora-RL" + ("-smoke" if mode == "smoke" else "")
+    assert (f"dashboard:    https://huggingface.co/spaces/alice/lfm-opencode-lora-rl-dashboard (Trackio project "
+            f"{project})") in out
 
 
 def test_old_hub_fails_with_the_needed_version_before_anything_remote(capsys, monkeypatch, bundle):
@@ -223,8 +230,27 @@ def test_flags_override_environment(capsys, bundle):
             "--adapter-repo", "org/adapter"]
     rc, out, _ = run_main(capsys, argv, base_env(MAX_STEPS="50"))
     plan = json.loads(out)
-    assert rc == 0 and plan["job"]["env"] == {"ADAPTER_REPO": "org/adapter", "MAX_STEPS": "300"}
+    assert rc == 0 and plan["job"]["env"] == {"ADAPTER_REPO": "org/adapter", "MAX_STEPS": "300", "REPORT_TO": "trackio"}
     assert plan["upload"]["repo"] == "org/code" and "hf download org/code " in plan["job"]["command"][2]
+
+
+def test_dry_run_shows_the_reporter_and_dashboard_and_each_can_be_changed(capsys, bundle):
+    rc, out, _ = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], base_env())
+    assert rc == 0 and json.loads(out)["dashboard"] == {
+        "project": "LFM2.5-2.6B-opencode-lora-RL",
+        "url": "https://huggingface.co/spaces/<token owner>/lfm-opencode-lora-rl-dashboard"}
+    rc, out, _ = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--dashboard-space", "local"],
+                          base_env())
+    plan = json.loads(out)
+    assert rc == 0 and plan["job"]["env"]["DASHBOARD_SPACE"] == "local" and "url" not in plan["dashboard"]
+    rc, out, _ = run_main(capsys, ["eval-watch", "--dry-run", "--bundle-dir", str(bundle)],
+                          base_env(REPORT_TO="none", DASHBOARD_SPACE="org/board"))
+    plan = json.loads(out)
+    assert rc == 0 and plan["dashboard"] is None
+    assert (plan["job"]["env"]["REPORT_TO"], plan["job"]["env"]["DASHBOARD_SPACE"]) == ("none", "org/board")
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--report-to", "wandb"],
+                            base_env())
+    assert rc == 2 and out == "" and err == "launch.py: REPORT_TO='wandb' is not one of trackio, tensorboard, none\n"
 
 
 # --- preflight failures, one by one -----------------------------------------------------------------------
@@ -421,7 +447,7 @@ for argv in (["train"], ["smoke"], ["eval-watch"], ["eval", "--checkpoint", "che
     assert launch.main([*argv, "--bundle-dir", {str(bundle)!r}], env=env, make_api=lambda t: hub,
                        stored_token=lambda: None) == 0, argv
 new = {{m.split(".")[0] for m in sys.modules}} - before - set(sys.stdlib_module_names)
-assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "tomli_w", "packaging"}}, new
+assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "tomli_w", "packaging", "dashboard"}}, new
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False,
                           cwd=tmp_path)

@@ -17,6 +17,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from huggingface_hub import ModelCard
 from openenv.core.harness.capture.validate_llm import validate_llm
 from peft import PeftModel, get_peft_model
 from safetensors.torch import load_file
@@ -26,6 +27,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_para
 from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 import adapter_repo
+import dashboard
 import recipe
 import train_lora
 import weight_sync
@@ -211,7 +213,7 @@ def run_rehearsal(workdir: Path, *extra: str, timeout: int = 280) -> subprocess.
     """Run rehearse.py in its own process group, and reap the group whatever happens."""
     process = subprocess.Popen([sys.executable, str(REHEARSAL / "rehearse.py"), "--workdir", str(workdir), *extra],
                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env={**os.environ, "MAX_STEPS": "3", "SAVE_STEPS": "2"})
+                               env={**os.environ, "MAX_STEPS": "3", "SAVE_STEPS": "2", "JOB_ID": workdir.parent.name})
     try:
         out, _ = process.communicate(timeout=timeout)
     finally:
@@ -290,3 +292,45 @@ def test_one_command_runs_three_steps_end_to_end_through_one_failure_of_each_cla
     final = load_file(repo / "adapter_model.safetensors")
     checkpoint_2 = load_file(repo / "checkpoint-2" / "adapter_model.safetensors")
     assert any(not torch.equal(final[k], v) for k, v in checkpoint_2.items())
+    assert_trackio_logged_three_steps(f"train-{workdir.parent.name}")
+    assert_training_repo_card(repo / "README.md")
+
+
+# Beyond TRL's own: the recipe's counts (run_metrics), the ratio range, the merge-free sync's fused tensors.
+RECIPE_METRICS = ("rollout/finished_total", "rollout/unscorable_total", "rollout/timed_out_total",
+                  "rollout/forked_total", "rollout/tool_calls_mean", "ratio/sample_min", "ratio/sample_max",
+                  "perf/weight_sync_fused_tensors")
+TRL_METRICS = ("loss", "reward", "ratio", "kl", "perf/weight_sync_s", "perf/step_s", "sample/staleness_mean",
+               "sample/staleness_max", "sample/time_in_queue_s")
+
+
+def assert_trackio_logged_three_steps(run: str) -> None:
+    """Read the rehearsal's metrics back from Trackio's local storage (TRACKIO_DIR, set in conftest.py)."""
+    from trackio.sqlite_storage import SQLiteStorage
+
+    project = dashboard.project(ADAPTER_REPO)
+    assert run in SQLiteStorage.get_runs(project)
+    steps = [row for row in SQLiteStorage.get_logs(project, run) if "train/loss" in row]
+    assert [row["train/global_step"] for row in steps] == [1, 2, 3]
+    names = set().union(*steps)
+    assert {f"train/{name}" for name in RECIPE_METRICS + TRL_METRICS} <= names, sorted(names)
+    for row in steps:
+        assert row["train/ratio/sample_min"] <= row["train/ratio"] <= row["train/ratio/sample_max"]
+        assert row["train/rollout/unscorable_total"] == row["train/rollout/timed_out_total"] == 0
+        assert row["train/perf/weight_sync_fused_tensors"] == 0  # CPU: cuBLAS's path, no Triton kernel
+    # Every rollout of the 3 trained groups finished before its group was trained (rollout metrics are pushed
+    # through a separate queue, so allow for the last group's arriving after the last log).
+    assert sum(row["train/rollout/finished_total"] for row in steps) >= 2 * recipe.NUM_GENERATIONS
+
+
+def assert_training_repo_card(readme: Path) -> None:
+    """The final push's README.md is the training repo's card, read back by huggingface_hub's own parser."""
+    card = ModelCard.load(readme)
+    data = card.data
+    assert (data.base_model, data.base_model_revision) == (recipe.BASE_MODEL, recipe.BASE_MODEL_REVISION)
+    assert (data.library_name, data.base_model_relation) == ("peft", "adapter")
+    assert {"lora", "grpo", "opencode"} <= set(data.tags) and "trackio" not in data.tags  # local logs: no Space
+    assert data.dataset_revisions == {recipe.TRAIN_DATASET: recipe.TRAIN_REVISION,
+                                      recipe.TEST_DATASET: recipe.TEST_REVISION}
+    assert data.datasets == [recipe.TRAIN_DATASET, recipe.TEST_DATASET]
+    assert f"project `{dashboard.project(ADAPTER_REPO)}`" in card.text and "3 optimizer steps" in card.text

@@ -131,6 +131,16 @@ def test_settings_defaults_come_from_the_recipe():
     assert settings.env_url == f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"
     assert (settings.resume, settings.weight_sync, settings.sandbox) == (True, "merge_free", "hf-sandbox")
     assert TOKEN not in repr(settings)
+    assert (settings.report_to, settings.dashboard_space) == (recipe.REPORT_TO, recipe.DASHBOARD_SPACE)
+
+
+def test_dashboard_names_come_from_the_adapter_repo_and_the_job():
+    env = {**BASE_ENV, "SPACE_HOST": "68abc--8000.hf.jobs", "REPORT_TO": "none", "DASHBOARD_SPACE": "local",
+           "DEVICE": "cpu"}
+    settings = train_lora.settings_from_env(env)
+    assert (settings.run_name, settings.report_to, settings.dashboard_space) == ("train-68abc", "none", None)
+    assert train_lora.settings_from_env({**env, "HF_JOB_ID": "68def"}).run_name == "train-68def"
+    assert train_lora.grpo_config(settings).project == REPO.split("/")[-1]
 
 
 @pytest.mark.parametrize(("env", "message"), [
@@ -148,6 +158,8 @@ def test_settings_defaults_come_from_the_recipe():
     ({"VLLM_URL": "localhost:8100"}, "VLLM_URL='localhost:8100' is not an http(s) URL"),
     ({"CAPTURE_URL": "http://127.0.0.1:8000/capture"}, "is loopback, but SANDBOX=hf-sandbox"),
     ({"DEVICE": "tpu"}, "DEVICE='tpu' is not one of cuda, cpu"),
+    ({"REPORT_TO": "wandb"}, "REPORT_TO='wandb' is not one of trackio, tensorboard, none"),
+    ({"REPORT_TO": "tensorboard"}, "REPORT_TO=tensorboard: pip install tensorboard first"),  # not installed here
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(env, message, monkeypatch, capsys):
     with pytest.raises(recipe.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -246,6 +258,12 @@ def test_real_trainer_and_config_from_the_builders(built):
     assert trainer.processing_class.response_template is not None
     assert [type(c).__name__ for c in trainer.callback_handler.callbacks if type(c).__module__ == "train_lora"] == [
         "Heartbeat", "CheckpointPusher"]
+    # Dashboard: Trackio by default, one project per adapter repo, one run per job, a private live Space.
+    assert args.report_to == ["trackio"] and args.project == REPO.split("/")[-1] and args.run_name.startswith("train-")
+    assert (args.trackio_space_id, args.hub_private_repo, args.trackio_static_space_id) == (
+        recipe.DASHBOARD_SPACE, True, False)
+    callbacks = {type(c).__name__ for c in trainer.callback_handler.callbacks}
+    assert {"SafeTrackioCallback", "RatioRange"} <= callbacks and "TrackioCallback" not in callbacks
 
 
 def test_worker_gets_every_knob_the_recipe_requires(built):

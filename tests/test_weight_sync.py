@@ -406,6 +406,8 @@ def test_trainer_sync_checks_then_uses_the_fused_kernel_and_logs_it(caplog):
         for _ in range(3):
             free._sync_weight()
     assert kernel.calls == 3 * wrapped  # checked in the first sync, then the only path
+    # The first sync checks (and sends cuBLAS's bits), the next two send the kernel's: logged per sync.
+    assert free._metrics["train"]["perf/weight_sync_fused_tensors"] == [0.0, float(wrapped), float(wrapped)]
     summaries = [r.getMessage() for r in caplog.records if "checked tensors fused" in r.getMessage()]
     assert [m.removeprefix("[RANK 0] ") for m in summaries] == [
         f"Weight sync (merge-free): fused merge: {wrapped}/{wrapped} checked tensors fused"

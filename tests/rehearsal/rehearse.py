@@ -13,6 +13,7 @@ what cannot exist on a CPU machine is substituted, each piece under tests/:
     NCCL weight stream    -> weight_transfer.py: same names/shapes/dtypes, copied in-process, checked every sync
     env server + HF Sandbox + OpenCode -> sessions.py: scripted agent through the REAL OpenEnv capture proxy
     the Hub               -> tests/hub_double.py: LocalHub in the workdir
+    the dashboard Space   -> Trackio's local storage (TRACKIO_DIR), project named after the adapter repo
     GPU kernels           -> tests/trl_cpu_shims.py: sdpa attention, torch log-probs, no vLLM import check
 
 Prints a step table (reward mean, loss, importance-ratio mean, sync ms) and writes it to WORKDIR/report.json.
@@ -165,6 +166,8 @@ def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: a
         "MAX_STEPS": str(args.max_steps), "SAVE_STEPS": str(args.save_steps), "VLLM_URL": vllm_url,
         "ENV_URL": env_url, "OUTPUT_DIR": str(workdir / "outputs"), "HEARTBEAT_FILE": str(workdir / "heartbeat"),
         "RESUME": "1", "WEIGHT_SYNC": args.weight_sync, "DEVICE": "cpu",
+        # Trackio logs locally (TRACKIO_DIR, default ~/.cache/huggingface/trackio): a rehearsal never makes a Space.
+        "REPORT_TO": "trackio", "DASHBOARD_SPACE": "local", "JOB_ID": os.environ.get("JOB_ID", workdir.name),
     }
 
 

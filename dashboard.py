@@ -1,0 +1,134 @@
+"""Where a run's metrics go: the reporter knob, Trackio project and run names, the private dashboard Space.
+
+Training, the eval watcher and the final eval all log to one Trackio project named after the adapter repo, each
+job as its own run named after its job id, so the learning curve sits next to the training curves. The dashboard
+is a private Space under the HF token's owner (recipe.DASHBOARD_SPACE). A dashboard never fails a run: when the
+Space cannot be reached or created, Trackio logs on the machine and one line says so.
+
+Imports nothing heavy (launch.py runs it in its own small environment); Trackio is imported when a run starts.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Mapping
+from importlib.util import find_spec
+from typing import Any
+
+import recipe
+
+SPACE_URL = "https://huggingface.co/spaces/{}"
+LOCAL = "local"  # DASHBOARD_SPACE value: no Space, Trackio logs on the machine only
+_JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
+
+
+def checked_reporter(value: str) -> str:
+    """One of recipe.REPORTERS, or a ConfigError naming them."""
+    if value not in recipe.REPORTERS:
+        raise recipe.ConfigError(f"REPORT_TO={value!r} is not one of {', '.join(recipe.REPORTERS)}")
+    return value
+
+
+def reporter(env: Mapping[str, str]) -> str:
+    """REPORT_TO for this run (default recipe.REPORT_TO), refused before any GPU time if unknown or not installed."""
+    value = checked_reporter(env.get("REPORT_TO", "").strip() or recipe.REPORT_TO)
+    if value == "tensorboard" and not (find_spec("tensorboard") or find_spec("tensorboardX")):
+        raise recipe.ConfigError("REPORT_TO=tensorboard: pip install tensorboard first, or use REPORT_TO=trackio")
+    return value
+
+
+def space(env: Mapping[str, str]) -> str | None:
+    """The dashboard Space: a name (Trackio puts it under the token's owner) or owner/name; None logs locally only."""
+    value = env.get("DASHBOARD_SPACE", "").strip() or recipe.DASHBOARD_SPACE
+    return None if value == LOCAL else value
+
+
+def space_id(name: str, owner: str) -> str:
+    """The full Space id: a bare name lives under the token's owner (as Trackio places it)."""
+    return name if "/" in name else f"{owner}/{name}"
+
+
+def project(adapter_repo: str) -> str:
+    """One Trackio project per adapter repo (the smoke run's `-smoke` repo gets its own)."""
+    return adapter_repo.split("/")[-1]
+
+
+def job_id(env: Mapping[str, str]) -> str:
+    """This job's id (JOB_ID, HF_JOB_ID, or the one in SPACE_HOST <id>--<port>.hf.jobs); a UTC time outside a job."""
+    explicit = env.get("JOB_ID", "").strip() or env.get("HF_JOB_ID", "").strip()
+    if explicit:
+        return explicit
+    host = _JOB_HOST.match(env.get("SPACE_HOST", "").strip())
+    return host.group(1) if host else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+
+
+def run_name(kind: str, env: Mapping[str, str]) -> str:
+    """`train-<job id>`, `eval-watch-<job id>`, `eval-<job id>`: a relaunched job is a new run in the same project."""
+    return f"{kind}-{job_id(env)}"
+
+
+def _redacted(text: str, env: Mapping[str, str]) -> str:
+    token = env.get("HF_TOKEN", "").strip()
+    return text.replace(token, "<redacted>") if token else text
+
+
+def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[str, str],
+             config: dict[str, Any] | None = None) -> str | None:
+    """Start the Trackio run on the private Space, or locally when there is none or it fails; return the Space URL.
+
+    Prints one line either way: the dashboard URL, or where the local logs are and why.
+    """
+    import trackio
+    from trackio.utils import TRACKIO_DIR
+
+    why = "no dashboard Space (DASHBOARD_SPACE=local)"
+    if space_id:
+        try:
+            trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
+                         config=config)
+            url = SPACE_URL.format(trackio.context_vars.current_space_id.get())
+            print(f"dashboard: {url} (project {project_name}, run {name})", flush=True)
+            return url
+        except Exception as error:  # noqa: BLE001 - offline, no rights, Hub down: log locally, never fail the run
+            why = f"Space {space_id} unavailable: {_redacted(f'{type(error).__name__}: {error}', env)[:300]}"
+    trackio.init(project=project_name, name=name, resume="allow", config=config)
+    print(f"dashboard: {why}; logging locally to {TRACKIO_DIR} (project {project_name}, run {name}; "
+          f"view with `trackio show --project {project_name}`)", flush=True)
+    return None
+
+
+class EvalDashboard:
+    """Eval points for the adapter repo's Trackio project; a failure is said once and never stops the eval."""
+
+    def __init__(self, adapter_repo: str, kind: str, env: Mapping[str, str]) -> None:
+        self.project, self.name, self.space = project(adapter_repo), run_name(kind, env), space(env)
+        self.env = dict(env)
+        self.started = False
+        self.broken = False
+
+    def log(self, metrics: dict[str, float], step: int | None = None) -> None:
+        if self.broken:
+            return
+        try:
+            import trackio
+
+            if not self.started:
+                init_run(self.project, self.name, self.space, self.env)
+                self.started = True
+            trackio.log(metrics, step=step)
+        except Exception as error:  # noqa: BLE001 - the eval's own results files are what matter
+            self.broken = True
+            print(f"dashboard: eval logging stopped ({type(error).__name__}: "
+                  f"{_redacted(str(error), self.env)[:300]}); results still go to the adapter repo", flush=True)
+
+    def finish(self) -> None:
+        if self.started and not self.broken:
+            import trackio
+
+            trackio.finish()
+
+
+def for_eval(adapter_repo: str, kind: str, env: Mapping[str, str]) -> EvalDashboard | None:
+    """The eval's dashboard when the reporter is Trackio (evals log to no other dashboard)."""
+    return EvalDashboard(adapter_repo, kind, env) if reporter(env) == "trackio" else None

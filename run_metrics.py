@@ -1,0 +1,151 @@
+"""The training metrics this recipe needs beyond TRL 1.15's own, and the fail-safe Trackio callback.
+
+TRL already logs, per optimizer step: `reward`, `kl`, `entropy`, `ratio` (importance-ratio mean), clip ratios,
+`perf/weight_sync_s`, `perf/step_s`, `sample/staleness_mean|max`, `sample/time_in_queue_s`, `rollout/fork_frac`,
+`tools/call_frequency` (groups with tool calls only), and rollout traces when Trackio is the reporter. Added here:
+
+- `rollout/finished_total`, `rollout/unscorable_total` (no reward: the session, rollout or verifier failed),
+  `rollout/timed_out_total` (agent hit its time limit), `rollout/forked_total` (its capture forked a new row),
+  `rollout/tool_calls_mean` (tool calls per rollout that ran), counted in the rollout worker's child process;
+- `ratio/sample_min`, `ratio/sample_max`: the range of the per-sample importance-ratio means of the step (one
+  sample per training row, see train_lora.conv_safe_batching);
+- `perf/weight_sync_fused_tensors` is logged by weight_sync.MergeFreeAsyncGRPOTrainer itself.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import os
+import threading
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+from transformers.integrations import TrackioCallback
+from transformers.integrations.integration_utils import rewrite_logs
+from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
+
+import dashboard
+
+Rollout = tuple[Any, ...]  # TRL's (completion, completion_ids, sequences, tool_calls, tool_failures, reward)
+
+
+Counts = dict[str, float | tuple[float, float]]  # TRL's metric shapes: a counter, or a (numerator, denominator) rate
+
+
+def rollout_counts(result: Rollout, metrics: dict[str, Any] | None) -> Counts:
+    """What one finished rollout adds to the step's metrics; `metrics` is None when TRL dropped the rollout.
+
+    Counted from what TRL hands back, so issue-20-style counters from the session factory can replace it here.
+    """
+    ran = metrics is not None
+    counts: Counts = {
+        "rollout/finished_total": 1.0,
+        "rollout/unscorable_total": float(result[5] is None),
+        "rollout/timed_out_total": float(ran and bool(metrics["loop_exhausted"])),
+        "rollout/forked_total": float(ran and metrics["tally"]["fork"] > 0),
+    }
+    if ran:
+        counts["rollout/tool_calls_mean"] = (float(result[3]), 1.0)
+    return counts
+
+
+def merge_counts(finished: list[Counts]) -> Counts:
+    """Sum counters, and rates part by part, over the rollouts finished since the last push."""
+    merged: Counts = {}
+    for counts in finished:
+        for key, value in counts.items():
+            if isinstance(value, tuple):
+                num, den = merged.get(key, (0.0, 0.0))
+                merged[key] = (num + value[0], den + value[1])
+            else:
+                merged[key] = merged.get(key, 0.0) + value
+    return merged
+
+
+class CountingRolloutLoop(_HarnessRolloutLoop):
+    """TRL's harness loop, also counting each finished rollout's outcome into the metrics it sends the trainer.
+
+    Sessions run in pool threads and metrics are pushed from the event loop, hence the lock.
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._finished_lock = threading.Lock()
+        self._finished: list[Counts] = []
+
+    def _run_session(self, prompt: Any, group_id: int = 0) -> tuple[Rollout, dict[str, Any] | None]:
+        result, metrics = super()._run_session(prompt, group_id)
+        counts = rollout_counts(result, metrics)
+        with self._finished_lock:
+            self._finished.append(counts)
+        return result, metrics
+
+    def _push_metrics(self, values: dict[str, float | tuple[float, float]]) -> None:
+        with self._finished_lock:
+            finished, self._finished = self._finished, []
+        super()._push_metrics({**values, **merge_counts(finished)})
+
+
+class RecipeRolloutWorker(HarnessRolloutWorker):
+    """HarnessRolloutWorker whose spawned loop also counts rollout outcomes (CountingRolloutLoop)."""
+
+    _loop_cls = CountingRolloutLoop
+
+
+class RatioRange(TrainerCallback):
+    """Adds the step's min and max per-sample importance ratio next to TRL's mean, before the step is logged."""
+
+    def __init__(self, sink: dict[str, list[Any]]) -> None:
+        self.sink = sink  # the trainer's own metric sink (TRL reduces it in log(); `min`/`max` names are extrema)
+        self.seen = 0
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        ratios = [r for r in self.sink.get("ratio", [])[self.seen:] if not math.isnan(r)]
+        self.seen = len(self.sink.get("ratio", []))
+        if ratios:
+            self.sink["ratio/sample_min"].append(min(ratios))
+            self.sink["ratio/sample_max"].append(max(ratios))
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        self.seen = 0  # TRL clears the sink right after this log
+
+
+class SafeTrackioCallback(TrackioCallback):
+    """transformers' Trackio callback, started through dashboard.init_run (a Space failure falls back to local logs),
+    logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis.
+    """
+
+    url: str | None = None
+    SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
+
+    def setup(self, args: TrainingArguments, state: TrainerState, model: Any, **kwargs: Any) -> None:
+        if state.is_world_process_zero:
+            config = copy.deepcopy(args.to_dict())
+            self.url = dashboard.init_run(args.project, args.run_name, args.trackio_space_id, os.environ,
+                                           config=config)
+            self._space_id = self._trackio.context_vars.current_space_id.get()
+        self._initialized = True
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+               logs: dict[str, float] | None = None, **_: Any) -> None:
+        if not self._initialized:
+            self.setup(args, state, model)
+        if state.is_world_process_zero:
+            scalars = rewrite_logs({k: v for k, v in (logs or {}).items() if k not in self.SUMMARY_KEYS})
+            self._trackio.log({**scalars, "train/global_step": state.global_step}, step=state.global_step)
+
+
+def attach(trainer: Any) -> None:
+    """Swap the trainer's Trackio callback for the fail-safe one and add the ratio range."""
+    if trainer.pop_callback(TrackioCallback) is not None:
+        trainer.add_callback(SafeTrackioCallback())
+    trainer.add_callback(RatioRange(trainer._metrics["train"]))
+
+
+def dashboard_url(trainer: Any) -> str | None:
+    """The dashboard Space the run logged to, if any (for the model card)."""
+    for callback in trainer.callback_handler.callbacks:
+        if isinstance(callback, SafeTrackioCallback):
+            return callback.url
+    return None

@@ -1,0 +1,75 @@
+"""run_metrics.py's counting rules, on the shapes TRL 1.15's harness loop hands back (the rehearsal runs them live)."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+
+from trl.experimental.async_grpo.async_grpo_trainer import _reduce_metric
+from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
+
+import run_metrics
+
+
+def ran(reward: float | None, tool_calls: int, timed_out: bool = False, forks: float = 0.0) -> tuple:
+    """A rollout that ran, as `_run_session` returns it: (result tuple, metrics)."""
+    tally = {"clean": 1.0, "realign": 0.0, "fork": forks, "transitions": 1.0 + forks, "drift_tokens": 0.0,
+             "drift_max": 0.0}
+    metrics = {"turns": 2, "sequences": 1 + int(forks), "completion_ids": [1, 2], "tally": tally,
+               "loop_exhausted": timed_out, "duration_s": 1.0}
+    return ([], [1, 2], [], tool_calls, 0, reward), metrics
+
+
+def test_each_outcome_is_counted_once_and_reduced_as_trl_reduces_it():
+    finished = [
+        run_metrics.rollout_counts(_HarnessRolloutLoop._EMPTY_ROLLOUT, None),  # session failed: unscorable
+        run_metrics.rollout_counts(*ran(None, 4)),  # verifier did not grade: unscorable, but it ran
+        run_metrics.rollout_counts(*ran(1.05, 3, timed_out=True)),
+        run_metrics.rollout_counts(*ran(0.0, 5, forks=2.0)),
+    ]
+    merged = run_metrics.merge_counts(finished)
+    assert merged == {"rollout/finished_total": 4.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 1.0,
+                      "rollout/forked_total": 1.0, "rollout/tool_calls_mean": (12.0, 3.0)}
+    # Two pushes in one logging window: counters add up, the mean is over the rollouts that ran.
+    window = {key: [value, run_metrics.merge_counts([run_metrics.rollout_counts(*ran(1.0, 0))])[key]]
+              for key, value in merged.items()}
+    assert {key: _reduce_metric(key, values) for key, values in window.items()} == {
+        "rollout/finished_total": 5.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 1.0,
+        "rollout/forked_total": 1.0, "rollout/tool_calls_mean": 3.0}
+
+
+def test_ratio_range_covers_only_the_steps_own_samples():
+    sink = defaultdict(list)
+    callback = run_metrics.RatioRange(sink)
+    sink["ratio"] += [1.0, 0.98, 1.03]
+    callback.on_step_end(None, None, None)
+    sink["ratio"] += [0.9, 1.1]  # a second step in the same logging window
+    callback.on_step_end(None, None, None)
+    assert (sink["ratio/sample_min"], sink["ratio/sample_max"]) == ([0.98, 0.9], [1.03, 1.1])
+    assert (_reduce_metric("ratio/sample_min", sink["ratio/sample_min"]),
+            _reduce_metric("ratio/sample_max", sink["ratio/sample_max"])) == (0.9, 1.1)
+    callback.on_log(None, None, None)
+    sink.clear()  # what TRL's log() does right after the callbacks
+    sink["ratio"] += [1.2]
+    callback.on_step_end(None, None, None)
+    assert (sink["ratio/sample_min"], sink["ratio/sample_max"]) == ([1.2], [1.2])
+
+
+def test_trackio_callback_logs_each_step_at_its_optimizer_step(tmp_path, capsys):
+    """A resumed run is a new job (a new Trackio run): its points must land at the real steps, as the eval's do."""
+    import trackio
+    from trackio.sqlite_storage import SQLiteStorage
+    from transformers import TrainerControl, TrainerState, TrainingArguments
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to="none", project="callback-test",
+                             run_name=f"train-{tmp_path.name}", trackio_space_id=None, use_cpu=True)
+    state = TrainerState(global_step=201)
+    callback = run_metrics.SafeTrackioCallback()
+    callback.on_train_begin(args, state, TrainerControl())
+    callback.on_log(args, state, TrainerControl(), logs={"loss": 0.5, "ratio/sample_min": 0.99})
+    state.global_step = 202
+    callback.on_log(args, state, TrainerControl(), logs={"loss": 0.25, "train_runtime": 9.0})
+    trackio.finish()
+    rows = SQLiteStorage.get_logs("callback-test", f"train-{tmp_path.name}")
+    assert [(r["step"], r["train/global_step"], r["train/loss"]) for r in rows] == [(201, 201, 0.5), (202, 202, 0.25)]
+    assert rows[0]["train/ratio/sample_min"] == 0.99 and "train_runtime" not in rows[1]
+    assert callback.url is None and "dashboard: no dashboard Space" in capsys.readouterr().out
