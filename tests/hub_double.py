@@ -28,6 +28,7 @@ from huggingface_hub.hf_api import RepoUrl
 from huggingface_hub.utils import hf_raise_for_status
 
 ENDPOINT = "https://huggingface.co"
+OWNER = "alice"  # the user every token belongs to here
 
 
 def raise_hub_error(status: int, url: str, message: str, error_code: str | None = None, method: str = "GET") -> None:
@@ -173,6 +174,11 @@ class LocalHub:
         return self.create_commit(repo_id, ops, commit_message=commit_message or "Upload folder",
                                   parent_commit=parent_commit)
 
+    # -- account ---------------------------------------------------------------
+    def whoami(self, token: bool | str | None = None, *, cache: bool = False) -> dict:
+        """The token's owner, as the real `whoami` answers for a user token (the jobs below run under it)."""
+        return {"type": "user", "name": OWNER}
+
     # -- jobs ------------------------------------------------------------------
     def run_job(self, *, image: str, command: list[str], env: dict[str, object] | None = None,
                 secrets: dict[str, object] | None = None, flavor: str | None = None,
@@ -182,5 +188,5 @@ class LocalHub:
         given = {"image": image, "command": command, "env": env, "secrets": secrets, "flavor": flavor,
                  "timeout": timeout, "name": name, "expose_public": expose_public, "token": token}
         self.jobs.append({k: v for k, v in given.items() if v is not None})
-        return JobInfo(id=f"68a{len(self.jobs):021d}", owner={"id": "u1", "name": "alice", "type": "user"},
+        return JobInfo(id=f"68a{len(self.jobs):021d}", owner={"id": "u1", "name": OWNER, "type": "user"},
                        status={"stage": "RUNNING"}, endpoint=ENDPOINT)

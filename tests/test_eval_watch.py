@@ -170,7 +170,7 @@ def assert_trackio_curve(summary, run):
 
     rows = SQLiteStorage.get_logs(dashboard.project(REPO), run)
     assert [row["step"] for row in rows] == [100, 200, 300]
-    by_step = {r["step"]: r for r in summary["checkpoints"] if r["checkpoint"] != ea.FINAL}
+    by_step = {r["step"]: r for r in summary["checkpoints"] if r["checkpoint"] != adapter_repo.FINAL}
     for row in rows:
         expected = by_step[row["step"]]
         assert row["eval/pass_at_1"] == expected["pass_at_1"]

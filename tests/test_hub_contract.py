@@ -94,6 +94,7 @@ def calls(hub: LocalHub, tmp_path: Path) -> dict[str, object]:
     out["hf_hub_download"] = hub.hf_hub_download(REPO, "x.json", local_dir=tmp_path / "dl")
     out["snapshot_download"] = hub.snapshot_download(REPO, local_dir=tmp_path / "snap", allow_patterns=["f/*"])
     out["run_job"] = hub.run_job(image="i", command=["true"], token="t")
+    out["whoami"] = hub.whoami()
     return out
 
 

@@ -80,9 +80,6 @@ def bundle(tmp_path: Path) -> Path:
 class RecordingHub(LocalHub):
     """LocalHub (whose `run_job` records each job) plus a way to seed adapters."""
 
-    def whoami(self, token: str | None = None, *, cache: bool = False) -> dict:
-        return {"type": "user", "name": "alice"}
-
     def seed_adapter(self, repo_id: str, folder: str = "") -> None:
         """Put an adapter's two files into `repo_id` (at the root = a finished run's final adapter; in a checkpoint
         folder with its completion marker, as the trainer pushes one)."""
@@ -497,13 +494,14 @@ def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
     assert rc == 0, err
     assert json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "SAVE_STEPS": "25",
                                              "RESUME": "1", "WEIGHT_SYNC": "stock", "STALL_MINUTES": "45",
-                                             "FINAL_EVAL": "0"}
+                                             "FINAL_EVAL": "0", "REPORT_TO": "trackio"}
     rc, out, err = run_main(capsys, ["eval-watch", "--dry-run", "--bundle-dir", str(bundle)], env)
     assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
-                                                         "MAX_IDLE_HOURS": "12", "EVAL_CONCURRENCY": "8"}
+                                                         "MAX_IDLE_HOURS": "12", "EVAL_CONCURRENCY": "8",
+                                                         "REPORT_TO": "trackio"}
     rc, out, err = run_main(capsys, ["eval", "--dry-run", "--bundle-dir", str(bundle), "--eval-concurrency", "4"], env)
     assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final",
-                                                         "EVAL_CONCURRENCY": "4"}
+                                                         "EVAL_CONCURRENCY": "4", "REPORT_TO": "trackio"}
 
 
 def test_smoke_says_it_ignores_max_steps(capsys, bundle):
