@@ -66,6 +66,7 @@ class PolicyServer:
         # One generation at a time, like vLLM's single engine loop; it also leaves the trainer a core.
         self._engine = threading.Lock()
         self._server: uvicorn.Server | None = None
+        self._thread: threading.Thread | None = None
         self.app = self._build_app()
 
     def _config_eos_ids(self) -> list[int]:
@@ -78,7 +79,8 @@ class PolicyServer:
         sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         sock.bind((host, 0))
         self._server = uvicorn.Server(uvicorn.Config(self.app, log_level="warning", access_log=False))
-        threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True).start()
+        self._thread = threading.Thread(target=self._server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self._thread.start()
         deadline = time.monotonic() + 60
         while not self._server.started:
             if time.monotonic() > deadline:
@@ -87,9 +89,13 @@ class PolicyServer:
         self.url = f"http://{host}:{sock.getsockname()[1]}"
         return self.url
 
-    def stop(self) -> None:
+    def stop(self, timeout_s: float = 60.0) -> None:
+        """Shut the server down and wait for it: a generation still running in a daemon thread when the
+        interpreter exits aborts the whole process ("terminate called without an active exception")."""
         if self._server is not None:
             self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout_s)
 
     # -- weights --------------------------------------------------------------
     def receive(self, name: str, tensor: torch.Tensor) -> None:
