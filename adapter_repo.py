@@ -9,8 +9,9 @@
 
 Each file has one writer, so two writers never mix schemas or task sets in one file. Every write is one
 commit, retried only on what is transient (HTTP 408/429/5xx, connection errors, timeouts; 412 when a
-compare-and-swap lost a race); anything else stops at once with one line. Imports only the standard
-library, recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
+compare-and-swap lost a race); anything else stops at once with one line. Every entry point ends a failure
+the same way (`report_failure`): one line saying what failed, the likely cause and the fix. Imports only the
+standard library, recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
 """
 
 from __future__ import annotations
@@ -19,9 +20,11 @@ import importlib
 import json
 import logging
 import re
+import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterable
+import traceback
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -102,7 +105,11 @@ def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
 
 
 # --- Retry policy ----------------------------------------------------------------------------------------------------
-class PushError(RuntimeError):
+class Failure(RuntimeError):
+    """A failure whose message already says what failed, the likely cause and the fix: printed as it is."""
+
+
+class PushError(Failure):
     """A write to the Hub failed for good: a permanent error, or a transient one that outlived every retry."""
 
 
@@ -169,6 +176,79 @@ def with_retries[T](what: str, action: Callable[[], T], *, compare_and_swap: boo
                            describe(error), wait)
             (sleep or time.sleep)(wait)
             attempt += 1
+
+
+# --- One line per failure ---------------------------------------------------------------------------------------------
+def _chain(error: BaseException) -> Iterable[BaseException]:
+    """`error` and what caused it: clients wrap a connection failure (or mask it, as OpenEnv's client does)."""
+    seen: set[int] = set()
+    current: BaseException | None = error
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        yield current
+        current = current.__cause__ or current.__context__
+
+
+def unreachable(error: BaseException) -> BaseException | None:
+    """The connection failure or timeout behind `error`, if there is one."""
+    return next((e for e in _chain(error) if isinstance(e, _transport_errors())), None)
+
+
+_HUB_HOST = re.compile(r"^https://([^/]+\.)?(hf\.co|huggingface\.co)(/|$)")  # the Hub's API and file CDNs
+
+
+def _request_url(error: BaseException) -> str:
+    try:
+        return str(error.request.url)  # type: ignore[attr-defined]  # the HTTP client's errors carry their request
+    except (AttributeError, RuntimeError):
+        return ""
+
+
+def failure_line(error: BaseException) -> tuple[str, int]:
+    """`error` as one line (what failed, the likely cause, the fix) and the exit code: 2 for bad input, else 1."""
+    from huggingface_hub import constants
+
+    if isinstance(error, recipe.ConfigError | Failure):
+        return str(error), 2 if isinstance(error, recipe.ConfigError) else 1
+    cut = unreachable(error)
+    url = _request_url(cut) if cut is not None else ""
+    if cut is not None and (not url or url.startswith(constants.ENDPOINT) or _HUB_HOST.match(url)):
+        return (f"could not reach the Hugging Face Hub at {constants.ENDPOINT} ({describe(cut)}): no network, or "
+                "HF_ENDPOINT or a proxy setting points elsewhere; check the connection and rerun"), 1
+    if cut is not None:
+        return (f"could not reach {url} ({describe(cut)}): the server there is not running, or the URL is wrong; "
+                "start it or fix the URL, and rerun"), 1
+    refused = next((e for e in _chain(error) if http_status(e) is not None), None)
+    if refused is not None:
+        status = http_status(refused)
+        hint = _HINTS.get(status, "try again later" if status and status >= 500 else "check the repo id and token")
+        return f"the Hub refused a request ({describe(refused)}): {hint}", 1
+    return (f"unexpected {describe(error)}: rerun with DEBUG=1 for the full traceback, and report it if the "
+            "cause is not yours to fix"), 1
+
+
+def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None, then: str = "") -> int:
+    """Print `error` on stderr as one line (`then` appended), the traceback before it only with DEBUG=1; return
+    the exit code. A 70-line traceback buries the one fact a user needs; DEBUG=1 brings it back."""
+    line, code = failure_line(error)
+    try:
+        debug = recipe.knob("DEBUG", env)
+    except recipe.ConfigError:
+        debug = False  # run_cli refuses a bad DEBUG before anything runs
+    if debug:
+        traceback.print_exception(error)
+    print(" ".join(f"{script}: {line}{f'; {then}' if then else ''}".splitlines()), file=sys.stderr)
+    return code
+
+
+def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | None = None) -> int:
+    """Run an entry point: 0 when it returns, one line on stderr and a non-zero exit code when it fails."""
+    try:
+        recipe.knob("DEBUG", env)  # a bad DEBUG is refused up front, like every knob
+        main()
+    except Exception as error:  # noqa: BLE001 - every failure ends in one line
+        return report_failure(script, error, env)
+    return 0
 
 
 # --- Writes ----------------------------------------------------------------------------------------------------------

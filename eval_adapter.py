@@ -19,6 +19,7 @@ recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json in the a
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -26,7 +27,7 @@ import random
 import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
 from typing import Any, Protocol
@@ -53,7 +54,8 @@ class LoraServer:
 
     def served(self) -> dict[str, str | None]:
         """Model ids vLLM serves now, each with its parent (None for the base model)."""
-        response = httpx.get(f"{self.base_url}/v1/models", timeout=self.timeout_s)
+        with self._reaching():
+            response = httpx.get(f"{self.base_url}/v1/models", timeout=self.timeout_s)
         response.raise_for_status()
         return {card["id"]: card.get("parent") for card in response.json()["data"]}
 
@@ -71,8 +73,20 @@ class LoraServer:
             return
         raise RuntimeError(f"vLLM refused to unload LoRA {name!r}: {_describe(response)}")
 
+    @contextlib.contextmanager
+    def _reaching(self) -> Iterator[None]:
+        """A vLLM that does not answer is named, with how to start it (not a bare ConnectError)."""
+        try:
+            yield
+        except httpx.TransportError as exc:
+            raise adapter_repo.Failure(
+                f"vLLM at {self.base_url} does not answer ({adapter_repo.describe(exc)}): it is not running or "
+                "still starting: start it (serve_policy.sh with LORA=1; run_eval.sh does) or fix --vllm-url/VLLM_URL"
+            ) from exc
+
     def _post(self, path: str, body: dict[str, str]) -> httpx.Response:
-        response = httpx.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
+        with self._reaching():
+            response = httpx.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
         if response.status_code in (404, 405) and not _error_message(response):
             raise recipe.ConfigError(
                 f"vLLM at {self.base_url} has no {path}: start it with --enable-lora and "
@@ -172,10 +186,22 @@ class HarborEvalFactory:
         """[{index, task_name}] of the split, resolving the split name first."""
         from openenv.harbor.client import HarborEnv
 
+        self.check_up()
         with HarborEnv(base_url=self.env_url) as env:
             self.split = choose_split(env.splits(), self.split)
             refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
         return [{"index": int(ref.index), "task_name": ref.task_name} for ref in refs]
+
+    def check_up(self) -> None:
+        """The env server answers its health check: OpenEnv's client, refused a connection, fails with an
+        unrelated `TypeError` (its cleanup awaits None), so the server is asked plainly first."""
+        try:
+            httpx.get(f"{self.env_url}/health", timeout=30).raise_for_status()
+        except httpx.HTTPError as exc:
+            raise adapter_repo.Failure(
+                f"the env server at {self.env_url} does not answer its health check ({adapter_repo.describe(exc)}): "
+                "it is not running or still starting: start it (serve_env.sh; run_eval.sh does) or fix "
+                "--env-url/ENV_URL") from exc
 
     def __call__(self, task_index: int, model: str) -> HarborEvalSession:
         return HarborEvalSession(self.env_url, self.split, task_index, self.llm_url, model, self.sandbox)
@@ -323,7 +349,7 @@ def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
 Job = tuple[str, str, dict[str, Any]]  # (side, served model name, task {index, task_name})
 
 
-class InfrastructureDown(RuntimeError):
+class InfrastructureDown(adapter_repo.Failure):
     """Too many unscorable cells in a row: the servers, not the model, are failing."""
 
 
@@ -571,7 +597,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (recipe.ConfigError, adapter_repo.PushError) as exc:  # one line that says what to fix, no traceback
-        raise SystemExit(f"eval_adapter: {exc}") from None
+    raise SystemExit(adapter_repo.run_cli("eval_adapter", main))

@@ -36,13 +36,13 @@ from adapter_repo import (
     FINAL,
     SUMMARY_PATH,
     WATCH_BASE_PATH,
-    PushError,
     checkpoint_complete,
     checkpoint_name,
     commit_cas,
     complete_checkpoints,
     download_adapter,
     read_json,
+    run_cli,
     watch_results_path,
     watched_checkpoints,
 )
@@ -346,7 +346,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except (recipe.ConfigError, PushError) as exc:  # one line that says what to fix, no traceback
-        raise SystemExit(f"eval_watch: {exc}") from None
+    raise SystemExit(run_cli("eval_watch", main))

@@ -36,11 +36,11 @@ import dashboard
 import recipe
 from adapter_repo import (
     FINAL,
-    PushError,
     checkpoint_complete,
     checkpoint_name,
     commit,
     complete_checkpoints,
+    report_failure,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -352,6 +352,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
            hub_version: str, make_api: Callable[[str], Any]) -> dict[str, Any]:
     """Preflight, then (unless --dry-run) upload the bundle and start the job; return what was (or would be) done."""
     mode, bundle = args.mode, args.bundle_dir
+    recipe.knob("DEBUG", env)
     from_env = recipe.knob("DRY_RUN", env)  # checked even beside --dry-run: a typo there is refused, not ignored
     args.dry_run = args.dry_run or from_env
     if not args.dry_run:
@@ -396,12 +397,8 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
         done = launch(args, env, stored_token=stored_token or huggingface_hub.get_token,
                       hub_version=huggingface_hub.__version__,
                       make_api=make_api or (lambda token: huggingface_hub.HfApi(token=token)))
-    except recipe.ConfigError as err:
-        print(f"launch.py: {err}", file=sys.stderr)
-        return 2
-    except PushError as err:  # the bundle did not land: no job was started
-        print(f"launch.py: {err}", file=sys.stderr)
-        return 1
+    except Exception as err:  # noqa: BLE001 - one line: what failed, the likely cause, the fix (DEBUG=1: traceback)
+        return report_failure("launch.py", err, env)
     for note in done.get("notes", []):
         print(f"launch.py: note: {note}", file=sys.stderr)
     if args.dry_run:

@@ -264,7 +264,9 @@ def one_of(raw: str, var: str, choices: tuple[str, ...]) -> str:
 
 def checkpoint_name(raw: str, var: str) -> str:
     """'final' (the adapter at the repo root) or 'checkpoint-N', the folder names the trainer pushes."""
-    if not re.fullmatch(r"final|checkpoint-[1-9][0-9]*", raw.strip()):
+    from adapter_repo import is_checkpoint  # the repo layout's own rule (adapter_repo imports this module)
+
+    if not is_checkpoint(raw.strip()):
         raise ConfigError(f"{var}={raw!r} is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'")
     return raw.strip()
 
@@ -277,6 +279,7 @@ _port = functools.partial(whole_number, upper=65535)
 # name -> (default, or a function of the environment giving it; check(raw, name) -> value)
 ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "DRY_RUN": (False, yes_no),
+    "DEBUG": (False, yes_no),  # a failing script prints its traceback before its one-line message
     "RESUME": (True, yes_no),
     "FINAL_EVAL": (True, yes_no),
     "LORA": (False, yes_no),

@@ -111,3 +111,61 @@ def test_the_watcher_and_the_full_eval_never_share_a_file():
                                           ("checkpoint-", False), ("step-5", False), ("checkpoint-3/..", False)])
 def test_checkpoint_names(name, ok):
     assert ar.is_checkpoint(name) is ok
+    # the CHECKPOINT knob's check is the layout's rule, with the user-facing line on a refusal
+    if ok:
+        assert recipe.knob("CHECKPOINT", {"CHECKPOINT": name}) == name
+    else:
+        with pytest.raises(recipe.ConfigError, match=r"^CHECKPOINT=.* is not a checkpoint name: use 'final' or e\.g\."):
+            recipe.knob("CHECKPOINT", {"CHECKPOINT": name})
+
+
+# --- one line per failure ---------------------------------------------------------------------------------------
+def hub_refusal(status: int) -> Exception:
+    try:
+        raise_hub_error(status, f"https://huggingface.co/api/models/{REPO}",
+                        "Invalid credentials in Authorization header")
+    except Exception as error:  # noqa: BLE001 - the real client's error, as a value
+        return error
+    raise AssertionError("raise_hub_error returned")
+
+
+def wrapped(error: Exception) -> Exception:
+    """`error` as a library re-raises it: masked by another exception while handling it (OpenEnv, transformers)."""
+    try:
+        try:
+            raise error
+        except Exception:  # noqa: BLE001
+            raise TypeError("object NoneType can't be used in 'await' expression") from None
+    except TypeError as outer:
+        outer.__context__ = error
+        return outer
+
+
+@pytest.mark.parametrize(("error", "code", "line"), [
+    (recipe.ConfigError("N_TASKS=0 is out of range: use 1..250"), 2, "N_TASKS=0 is out of range: use 1..250"),
+    (ar.PushError("commit 'x' to a/b failed (HTTP 403: no)"), 1, "commit 'x' to a/b failed (HTTP 403: no)"),
+    (wrapped(hub_refusal(401)), 1,
+     "the Hub refused a request (HTTP 401: Invalid credentials in Authorization header): check HF_TOKEN"),
+    (wrapped(httpx.ConnectError("All connection attempts failed", request=httpx.Request("GET", "http://127.0.0.1:9/mcp"))),
+     1, "could not reach http://127.0.0.1:9/mcp (ConnectError: All connection attempts failed): the server there is "
+        "not running, or the URL is wrong; start it or fix the URL, and rerun"),
+    (KeyError("global_step"), 1, "unexpected KeyError: 'global_step': rerun with DEBUG=1 for the full traceback"),
+])
+def test_every_failure_is_one_line_with_its_exit_code(capsys, error, code, line):
+    assert ar.report_failure("x.py", error, {}) == code
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"x.py: {line}") and err.count("\n") == 1
+
+
+def test_debug_prints_the_traceback_before_the_line_and_a_bad_debug_is_refused_up_front(capsys):
+    def main() -> None:
+        raise ValueError("first line\nsecond line")
+
+    assert ar.run_cli("x.py", main, {"DEBUG": "yes"}) == 1
+    err = capsys.readouterr().err
+    assert err.startswith("Traceback") and "ValueError: first line" in err
+    assert err.splitlines()[-1].startswith("x.py: unexpected ValueError: first line: rerun with DEBUG=1")
+    ran = []
+    assert ar.run_cli("x.py", lambda: ran.append(1), {"DEBUG": "2"}) == 2 and ran == []
+    assert capsys.readouterr().err.startswith("x.py: DEBUG='2' is not a yes/no value")
+    assert ar.run_cli("x.py", lambda: ran.append(1), {}) == 0 and ran == [1]

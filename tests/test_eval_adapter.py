@@ -24,6 +24,7 @@ import dashboard
 import eval_adapter as ea
 import recipe
 from adapter_repo import push_folder
+from tests import offline
 
 REPO = "you/LFM2.5-2.6B-opencode-lora-RL"
 
@@ -519,8 +520,8 @@ def make_eval_job(tmp_path):
     stubs = ROOT / "tests" / "stubs"
     app = tmp_path / "app"
     app.mkdir()
-    for name in ("run_eval.sh", "run_eval_watch.sh", "common.sh", "image_check.py", "recipe.py", "requirements.txt",
-                 "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py"):
+    for name in ("run_eval.sh", "run_eval_watch.sh", "common.sh", "image_check.py", "recipe.py", "adapter_repo.py",
+                 "requirements.txt", "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py"):
         shutil.copy(ROOT / name, app / name)
     shutil.copy(stubs / "fake_prepare_tasks.py", app / "prepare_tasks.py")
     for name in ("eval_adapter.py", "eval_watch.py"):
@@ -586,3 +587,24 @@ def test_run_eval_fails_fast_when_vllm_dies(eval_job):
     result, log = _run_eval_job(eval_job, STUB_VLLM="crash")
     assert result.returncode != 0 and "eval_vllm exited before it was ready" in result.stderr
     assert not any(line.startswith("eval ") for line in log)
+
+
+# --- one line, not a traceback -----------------------------------------------------------------------------------
+def test_eval_without_an_env_server_is_one_line_not_a_type_error(tmp_path):
+    """OpenEnv's client, refused a connection, ends in `TypeError: object NoneType can't be used in 'await'`."""
+    env_url, vllm_url = offline.closed_url(), offline.closed_url()
+    proc = offline.run(["eval_adapter.py", "--env-url", env_url, "--vllm-url", vllm_url],
+                       offline.offline_env(tmp_path, ADAPTER_REPO=REPO))
+    line = offline.one_line(proc, "eval_adapter")
+    assert proc.returncode == 1 and "TypeError" not in line
+    assert line == (f"eval_adapter: the env server at {env_url} does not answer its health check (ConnectError: "
+                    "[Errno 111] Connection refused): it is not running or still starting: start it (serve_env.sh; "
+                    "run_eval.sh does) or fix --env-url/ENV_URL")
+
+
+def test_a_vllm_that_does_not_answer_is_named():
+    url = offline.closed_url()
+    with pytest.raises(adapter_repo.Failure, match=rf"^vLLM at {url} does not answer \(ConnectError: .*serve_policy"):
+        ea.LoraServer(url).served()
+    with pytest.raises(adapter_repo.Failure, match=rf"^vLLM at {url} does not answer"):
+        ea.LoraServer(url).load("x", Path("/nonexistent"))

@@ -21,6 +21,7 @@ import eval_watch as ew
 import export_adapter
 import recipe
 from adapter_repo import COMPLETE_MARKER, push_folder
+from tests import offline
 
 REPO = "you/LFM2.5-2.6B-opencode-lora-RL"
 N_TASKS = 5
@@ -420,4 +421,12 @@ def test_entry_points_refuse_bad_input_with_one_line(script, env, line):
     base = {k: v for k, v in os.environ.items() if k not in {"HF_TOKEN", "ADAPTER_REPO", "CHECKPOINT"}}
     result = subprocess.run([sys.executable, str(root / script)], env={**base, **env}, capture_output=True, text=True,
                             timeout=60)
-    assert result.returncode == 1 and result.stderr.startswith(line) and len(result.stderr.splitlines()) == 1
+    assert result.returncode == 2 and result.stderr.startswith(line) and len(result.stderr.splitlines()) == 1
+
+
+def test_offline_watcher_is_one_line(tmp_path):
+    env = offline.offline_env(tmp_path, ADAPTER_REPO=REPO)
+    proc = offline.run(["eval_watch.py", "--env-url", offline.closed_url(), "--vllm-url", offline.closed_url()], env)
+    line = offline.one_line(proc, "eval_watch")
+    assert line.startswith(f"eval_watch: could not reach the Hugging Face Hub at {env['HF_ENDPOINT']} (ConnectError")
+    assert line.endswith("check the connection and rerun") and proc.stdout == ""

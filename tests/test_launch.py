@@ -20,6 +20,7 @@ import pytest
 import launch
 import recipe
 from adapter_repo import COMPLETE_MARKER
+from tests import offline
 from tests.hub_double import LocalHub
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -537,3 +538,22 @@ def test_job_scripts_refuse_what_the_launcher_refuses_with_the_same_line(capsys,
     [line] = job.stderr.strip().splitlines()
     assert line.split("ERROR: ", 1)[1] == said
     assert "step 1/" not in job.stdout and "logs in" not in job.stdout  # stopped before step 1; no log folder yet
+
+
+# --- one line, not a traceback -----------------------------------------------------------------------------------
+def test_real_launch_offline_is_one_line_and_debug_shows_the_traceback(tmp_path):
+    """The real `launch.py train` (its __main__, the real HfApi) with the Hub at a closed port. huggingface_hub 2.x is
+    not installed here, so its version number is stood in (as in the tests above): the first Hub call fails."""
+    driver = ("import runpy, sys, huggingface_hub; huggingface_hub.__version__ = '2.4.0'; "
+              "sys.argv = ['launch.py', 'train']; runpy.run_path('launch.py', run_name='__main__')")
+    env = offline.offline_env(tmp_path, ADAPTER_REPO=ADAPTER)
+    line = offline.one_line(offline.run(["-c", driver], env), "launch.py")
+    assert line.startswith(f"launch.py: could not reach the Hugging Face Hub at {env['HF_ENDPOINT']} (ConnectError: ")
+    assert "no network, or HF_ENDPOINT or a proxy setting points elsewhere; check the connection and rerun" in line
+    debug = offline.run(["-c", driver], {**env, "DEBUG": "1"})
+    assert debug.returncode == 1 and debug.stderr.startswith("Traceback") and "httpx.ConnectError" in debug.stderr
+    assert debug.stderr.splitlines()[-1] == line
+    bad = offline.run(["-c", driver], {**env, "DEBUG": "verbose"})
+    assert offline.one_line(bad, "launch.py") == ("launch.py: DEBUG='verbose' is not a yes/no value: use DEBUG=1 (or "
+                                                  "true, yes, on) or DEBUG=0 (or false, no, off)")
+    assert bad.returncode == 2
