@@ -26,13 +26,13 @@ import adapter_repo
 import model_cards
 import recipe
 
+SCRIPT = "export_adapter.py"
+
 
 # --- inputs -------------------------------------------------------------------------------------------------
 def checked_args(args: argparse.Namespace) -> None:
     """Names well-formed before anything is downloaded, merged or pushed."""
-    if not adapter_repo.is_checkpoint(args.checkpoint):
-        raise recipe.ConfigError(f"CHECKPOINT={args.checkpoint!r} is not a checkpoint name: use 'final' or "
-                                 "e.g. 'checkpoint-300'")
+    recipe.checkpoint_name(args.checkpoint, "CHECKPOINT")
     if not args.source:
         raise recipe.ConfigError("--source is not set: pass the training repo id (or ADAPTER_REPO=you/...) or a folder")
     if not Path(args.source).is_dir():
@@ -46,8 +46,9 @@ def merged_repo(args: argparse.Namespace) -> str:
     return args.merged_target or f"{args.target}-merged"
 
 
-def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[str, Any] | None]:
-    """The adapter folder and the eval results document for `args.checkpoint` (None when there are none)."""
+def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[str, Any] | None, int | None]:
+    """The adapter folder, the eval results document for `args.checkpoint` (None when there are none) and the
+    optimizer steps it was trained for (None when the source has no checkpoint to read them from)."""
     results_path = adapter_repo.full_results_path(args.checkpoint)
     folder = adapter_repo.adapter_folder(args.checkpoint)
     source = Path(args.source)
@@ -56,12 +57,35 @@ def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[st
         files = [p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()]
         if not adapter_repo.checkpoint_complete(files, args.checkpoint):
             raise recipe.ConfigError(f"{adapter} has no complete adapter for {args.checkpoint!r} (needs "
-                                     f"{' + '.join(adapter_repo.ADAPTER_FILES)}, and a checkpoint its completion "
-                                     "marker): point --source at the training output or a full download of its repo")
-        local = source / results_path
-        return adapter, json.loads(local.read_text()) if local.is_file() else None
+                                     f"{' + '.join(adapter_repo.ADAPTER_FILES)}, and for a checkpoint also its "
+                                     f"completion marker {adapter_repo.COMPLETE_MARKER}): point --source at the "
+                                     "training output or a full download of its repo")
+
+        def read(path: str) -> dict[str, Any] | None:
+            return json.loads((source / path).read_text()) if (source / path).is_file() else None
+
+        return adapter, read(results_path), trained_steps(files, args.checkpoint, read)
     adapter = adapter_repo.download_adapter(api, args.source, args.checkpoint, dest)
-    return adapter, adapter_repo.read_json(api, args.source, results_path)
+    files = api.list_repo_files(args.source)
+    return (adapter, adapter_repo.read_json(api, args.source, results_path),
+            trained_steps(files, args.checkpoint, lambda path: adapter_repo.read_json(api, args.source, path)))
+
+
+def trained_steps(files: list[str], checkpoint: str, read: Callable[[str], dict[str, Any] | None]) -> int | None:
+    """The optimizer steps behind `checkpoint`, as the run recorded them: global_step in its trainer_state.json.
+
+    The final adapter's are its run's last checkpoint's: the trainer always saves one at its last step (a 20-step
+    smoke run's final adapter has 20, not the recipe's 1000).
+    """
+    steps = adapter_repo.complete_checkpoints(files)
+    if checkpoint != adapter_repo.FINAL:
+        step = int(checkpoint.removeprefix(adapter_repo.CHECKPOINT_PREFIX))
+    elif steps:
+        step = steps[-1]
+    else:
+        return None
+    state = read(f"{adapter_repo.checkpoint_name(step)}/trainer_state.json") or {}
+    return int(state.get("global_step", step))
 
 
 def checked_adapter(adapter: Path) -> dict[str, Any]:
@@ -147,7 +171,8 @@ def usage_section(target: str, merged: bool) -> str:
     ])
 
 
-def model_card(target: str, checkpoint: str, results: dict[str, Any] | None, merged: bool, size_mb: float) -> str:
+def model_card(target: str, checkpoint: str, steps: int | None, results: dict[str, Any] | None, merged: bool,
+               size_mb: float) -> str:
     """The README.md pushed with the adapter (or the merged model)."""
     what = (f"`{recipe.BASE_MODEL}` with the LoRA adapter merged into its weights (a full model)" if merged else
             f"A LoRA adapter ({size_mb:.1f} MB) for `{recipe.BASE_MODEL}`")
@@ -162,7 +187,7 @@ def model_card(target: str, checkpoint: str, results: dict[str, Any] | None, mer
         "",
         "## How it was trained",
         "",
-        *model_cards.recipe_table(checkpoint),
+        *model_cards.recipe_table(checkpoint, steps),
         "",
     ]
     if results:
@@ -192,8 +217,7 @@ def write_merged(base_model: str, adapter: Path, out: Path, card: str, dtype: st
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    # The recipe's base loads at the commit it was trained on; another --base-model is the user's own choice.
-    revision = recipe.BASE_MODEL_REVISION if base_model == recipe.BASE_MODEL else None
+    revision = base_revision(base_model)
     base = AutoModelForCausalLM.from_pretrained(base_model, revision=revision, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.to(getattr(torch, dtype)).save_pretrained(out)
@@ -208,26 +232,34 @@ def push(api: Any, repo_id: str, folder: Path, private: bool) -> None:
     print(f"pushed {folder.name} to https://huggingface.co/{repo_id}")
 
 
-def export(args: argparse.Namespace, api: Any, work: Path) -> Path:
-    """Fetch, check, write the adapter (and merged model) to a folder, push unless --local-dir; return the folder."""
-    out = Path(args.local_dir) if args.local_dir else work / "out"
-    adapter, doc = fetch(args, api, work / "source")
+def base_revision(base_model: str) -> str | None:
+    """The recipe's base loads at the commit it was trained on; another --base-model is the user's own choice."""
+    return recipe.BASE_MODEL_REVISION if base_model == recipe.BASE_MODEL else None
+
+
+def check_base_model(api: Any, base_model: str) -> None:
+    """--merged downloads the base from the Hub: ask for it before anything is written, so a wrong id or no network
+    fails in a second (the download itself retries for a minute per file). HF_HUB_OFFLINE=1 merges from the cache."""
+    from huggingface_hub import constants
+
+    if not Path(base_model).is_dir() and not constants.HF_HUB_OFFLINE:
+        api.model_info(base_model, revision=base_revision(base_model))
+
+
+def write(args: argparse.Namespace, api: Any, source: Path, out: Path) -> None:
+    """Fetch and check the adapter, then write it (and the merged model) with their cards under `out`."""
+    adapter, doc, steps = fetch(args, api, source)
     checked_adapter(adapter)
     results = usable_results(doc, args.checkpoint)
     if doc and not results:
         print(f"eval results for {args.checkpoint} are incomplete or for another checkpoint: card has no eval table",
               file=sys.stderr)
     size_mb = (adapter / "adapter_model.safetensors").stat().st_size / 1e6
-    write_adapter(adapter, out / "adapter", model_card(args.target, args.checkpoint, results, False, size_mb),
+    write_adapter(adapter, out / "adapter", model_card(args.target, args.checkpoint, steps, results, False, size_mb),
                   results, args.checkpoint)
     if args.merged:
-        card = model_card(merged_repo(args), args.checkpoint, results, True, size_mb)
+        card = model_card(merged_repo(args), args.checkpoint, steps, results, True, size_mb)
         write_merged(args.base_model, out / "adapter", out / "merged", card, args.merged_dtype)
-    if not args.local_dir:
-        push(api, args.target, out / "adapter", args.private)
-        if args.merged:
-            push(api, merged_repo(args), out / "merged", args.private)
-    return out
 
 
 def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespace:
@@ -261,29 +293,41 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
     env = dict(os.environ if env is None else env)
     args = parse_args(argv, env)
     try:
+        recipe.knob("DEBUG", env)
         checked_args(args)
         token = env.get("HF_TOKEN", "").strip() or (stored_token or huggingface_hub.get_token)()
         if not args.local_dir and not token:
             raise recipe.ConfigError("pushing needs a write token: export HF_TOKEN=hf_... or run `hf auth login`")
-        needs_hub = not args.local_dir or not Path(args.source).is_dir()
+        merge_from_hub = args.merged and not Path(args.base_model).is_dir()
+        needs_hub = not args.local_dir or not Path(args.source).is_dir() or merge_from_hub
         api = (make_api or (lambda tok: huggingface_hub.HfApi(token=tok)))(token) if needs_hub else None
-    except recipe.ConfigError as err:
-        print(f"export_adapter.py: {err}", file=sys.stderr)
-        return 2
+        if merge_from_hub:
+            check_base_model(api, args.base_model)
+    except Exception as err:  # noqa: BLE001 - one line: what failed, the likely cause, the fix (DEBUG=1: traceback)
+        return adapter_repo.report_failure(SCRIPT, err, env)
     work = Path(tempfile.mkdtemp(prefix="export-adapter-"))
+    out = Path(args.local_dir) if args.local_dir else work / "out"
     try:
-        out = export(args, api, work)
-    except recipe.ConfigError as err:
+        write(args, api, work / "source", out)
+    except Exception as err:  # noqa: BLE001 - nothing worth keeping yet: the temp folder goes, the line stays
         shutil.rmtree(work)
-        print(f"export_adapter.py: {err}", file=sys.stderr)
-        return 2
-    except adapter_repo.PushError as err:  # the written card and (merged) weights stay on disk: nothing is lost
-        print(f"export_adapter.py: {err}; everything is kept in {work / 'out'}: upload it with "
-              f"`hf upload {args.target} {work / 'out' / 'adapter'}`", file=sys.stderr)
-        return 1
-    shutil.rmtree(work)
+        return adapter_repo.report_failure(SCRIPT, err, env)
+    shutil.rmtree(work / "source", ignore_errors=True)  # the downloaded copy: everything needed is in `out`
     if args.local_dir:
+        shutil.rmtree(work)
         print(f"wrote {out / 'adapter'}" + (f" and {out / 'merged'}" if args.merged else ""))
+        return 0
+    pending = [(args.target, out / "adapter")] + ([(merged_repo(args), out / "merged")] if args.merged else [])
+    try:
+        while pending:
+            push(api, *pending[0], args.private)
+            pending.pop(0)
+    except Exception as err:  # noqa: BLE001 - the written cards and weights stay on disk: nothing is lost
+        private = " --private" if args.private else ""
+        upload = " and ".join(f"`.venv/bin/hf upload {repo} {folder}{private}`" for repo, folder in pending)
+        return adapter_repo.report_failure(SCRIPT, err, env, f"everything is kept in {out}: upload it with {upload}, "
+                                                             f"then delete {work}")
+    shutil.rmtree(work)
     return 0
 
 

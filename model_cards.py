@@ -68,18 +68,18 @@ def front_matter(data: Any) -> str:
     return f"---\n{data.to_yaml()}\n---\n"
 
 
-def recipe_rows(checkpoint: str) -> list[tuple[str, str]]:
-    """How it was trained, read from recipe.py and requirements.txt (never retyped)."""
+def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
+    """How it was trained, read from recipe.py and requirements.txt (never retyped) and the run (its steps)."""
     r = recipe
     pins = r.pinned_versions()
     stack = ", ".join(f"`{name}{pins[name]}`" for name in ("trl", "transformers", "peft", "openenv") if name in pins)
-    steps = checkpoint.removeprefix("checkpoint-") if checkpoint != "final" else f"{r.MAX_STEPS} (recipe)"
     return [
         ("Base model", f"`{r.BASE_MODEL}` (revision `{r.BASE_MODEL_REVISION}`)"),
         ("Algorithm", "async GRPO: TRL `AsyncGRPOTrainer` + `HarnessRolloutWorker`, agent loop owned by OpenCode"),
         ("LoRA", f"r={r.LORA_R}, alpha={r.LORA_ALPHA}, dropout {r.LORA_DROPOUT}, targets "
                  f"`{', '.join(r.LORA_TARGET_MODULES)}` (short-conv projections left out)"),
-        ("Optimizer steps", f"{steps}; this adapter: `{checkpoint}`"),
+        ("Optimizer steps", f"{steps if steps is not None else 'not recorded (no checkpoint in the source)'}; "
+                            f"this adapter: `{checkpoint}`"),
         ("GRPO group", f"{r.NUM_GENERATIONS} rollouts of one task per optimizer step"),
         ("Learning rate", f"{r.LEARNING_RATE:g}"),
         ("Sampling", f"temperature {r.TEMPERATURE}, top_p {r.TOP_P}, top_k {r.TOP_K} (disabled): full vocabulary"),
@@ -98,8 +98,8 @@ def recipe_rows(checkpoint: str) -> list[tuple[str, str]]:
     ]
 
 
-def recipe_table(checkpoint: str) -> list[str]:
-    return ["| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint))]
+def recipe_table(checkpoint: str, steps: int | None) -> list[str]:
+    return ["| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint, steps))]
 
 
 def training_card(adapter_repo: str, steps: int, dashboard_url: str | None) -> str:
@@ -123,6 +123,6 @@ def training_card(adapter_repo: str, steps: int, dashboard_url: str | None) -> s
         "",
         "## How it was trained",
         "",
-        *recipe_table("final"),
+        *recipe_table("final", steps),
         "",
     ])

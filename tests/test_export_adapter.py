@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 import time
 from pathlib import Path
 
@@ -21,8 +22,10 @@ from transformers import AutoModelForCausalLM
 import adapter_repo
 import eval_adapter
 import export_adapter
+import model_cards
 import recipe
 import train_lora
+from tests import offline
 from tests.hub_double import LocalHub
 from tests.tiny_lfm2 import save_tiny_model, tiny_model
 
@@ -274,6 +277,94 @@ def test_failed_push_keeps_everything_on_disk(made, tmp_path, capsys, monkeypatc
     finally:
         shutil.rmtree(kept.parent)
     assert TARGET not in {repo for repo, _, _ in hub.commits}
+
+
+def test_push_offline_keeps_the_written_files_and_says_where(made, tmp_path):
+    """create_repo is the first Hub call of a push from a local folder: its failure keeps everything, too."""
+    env = offline.offline_env(tmp_path)
+    proc = offline.run(["export_adapter.py", "--source", str(made["source"]), "--target", TARGET, "--private"], env)
+    line = offline.one_line(proc, "export_adapter.py")
+    assert proc.returncode == 1 and proc.stdout == ""
+    assert line.startswith(f"export_adapter.py: could not reach the Hugging Face Hub at {env['HF_ENDPOINT']} (Conn")
+    [work] = (tmp_path / "tmp").iterdir()  # the one temp folder, announced
+    out = work / "out"
+    assert line.endswith(f"; everything is kept in {out}: upload it with `.venv/bin/hf upload {TARGET} "
+                         f"{out / 'adapter'} --private`, then delete {work}")
+    assert {p.name for p in (out / "adapter").iterdir()} >= {"README.md", "adapter_model.safetensors",
+                                                             "adapter_config.json"}
+    assert not (work / "source").exists()
+
+
+@pytest.mark.parametrize("case", ["hub source", "merge from the hub"])
+def test_offline_before_anything_is_written_is_one_line_and_leaves_no_temp_folder(made, tmp_path, case):
+    """A Hub source, or --merged with the Hub's base model (asked for before writing: its download would retry
+    for minutes), offline: one line, nothing left behind."""
+    env = offline.offline_env(tmp_path)
+    source, extra = (SOURCE, []) if case == "hub source" else (str(made["source"]), ["--merged", "--local-dir", "X"])
+    extra = [str(tmp_path / "out") if a == "X" else a for a in extra]
+    started = time.monotonic()
+    proc = offline.run(["export_adapter.py", "--source", source, "--target", TARGET, *extra], env)
+    line = offline.one_line(proc, "export_adapter.py")
+    assert line.startswith(f"export_adapter.py: could not reach the Hugging Face Hub at {env['HF_ENDPOINT']} (Conn")
+    assert proc.returncode == 1 and time.monotonic() - started < 60
+    assert list((tmp_path / "tmp").iterdir()) == [] and not (tmp_path / "out").exists()
+
+
+def test_successful_push_leaves_no_temp_folder(made, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    hub = hub_with_source(made, tmp_path)
+    rc, _, err = run(["--source", SOURCE, "--target", TARGET], capsys, env={"HF_TOKEN": CANARY},
+                     make_api=lambda t: hub)
+    assert rc == 0, err
+    assert list((tmp_path / "tmp").iterdir()) == []
+
+
+def test_failed_merged_push_names_only_what_is_left_to_upload(made, tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(time, "sleep", lambda s: None)
+    hub = hub_with_source(made, tmp_path)
+    real_push = adapter_repo.push_folder
+
+    def push_adapter_only(api, repo_id, *args, **kwargs):
+        if repo_id == f"{TARGET}-merged":
+            hub.fail_uploads, hub.fail_status = 1, 403
+        return real_push(api, repo_id, *args, **kwargs)
+
+    monkeypatch.setattr(adapter_repo, "push_folder", push_adapter_only)
+    rc, out, err = run(["--source", SOURCE, "--target", TARGET, "--merged", "--merged-dtype", "float32",
+                        "--base-model", str(made["base"])], capsys, env={"HF_TOKEN": CANARY}, make_api=lambda t: hub)
+    line = err.splitlines()[-1]  # after the merge's own progress bars
+    assert rc == 1 and line.startswith("export_adapter.py: commit ") and "HTTP 403" in line
+    assert "pushed adapter to" in out and err.count("export_adapter.py") == 1
+    kept = Path(line.split("everything is kept in ")[1].split(":")[0])
+    try:
+        assert f"upload it with `.venv/bin/hf upload {TARGET}-merged {kept / 'merged'}`, then delete" in err
+        assert f"hf upload {TARGET} " not in err  # the adapter landed
+    finally:
+        shutil.rmtree(kept.parent)
+
+
+def test_card_reads_the_steps_from_the_run_a_20_step_smoke_adapter(made, tmp_path, capsys):
+    """The final adapter's steps are its run's last checkpoint's global_step, not recipe.MAX_STEPS."""
+    source = tmp_path / "smoke"
+    shutil.copytree(made["source"], source, ignore=shutil.ignore_patterns("checkpoint-100", "eval"))
+    shutil.copytree(made["source"] / "checkpoint-100", source / "checkpoint-20")
+    (source / "checkpoint-20" / "trainer_state.json").write_text(json.dumps({"global_step": 20, "max_steps": 20}))
+    row = "| Optimizer steps | 20; this adapter: `final` |"
+    assert row in card_for(source, tmp_path / "local", capsys)
+    hub = LocalHub(tmp_path / "hub")
+    hub.create_repo(SOURCE)
+    hub.upload_folder(repo_id=SOURCE, folder_path=source)
+    rc, _, err = run(["--source", SOURCE, "--target", TARGET, "--local-dir", str(tmp_path / "from-hub")], capsys,
+                     make_api=lambda t: hub)
+    assert rc == 0, err
+    body = card_parts(tmp_path / "from-hub" / "adapter" / "README.md")[1]
+    assert row in body and "(recipe)" not in body
+    shutil.rmtree(source / "checkpoint-20")
+    assert "| Optimizer steps | not recorded (no checkpoint in the source); this adapter: `final` |" in card_for(
+        source, tmp_path / "bare", capsys)
+    # the training repo's own card (pushed with the final adapter) takes the trainer's global_step the same way
+    assert row in model_cards.training_card(SOURCE, 20, None)
 
 
 def _bad_rank(source: Path) -> None:
