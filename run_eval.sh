@@ -98,7 +98,7 @@ run_eval() {
   if [ "$EVAL_MODE" = watch ]; then
     do_cmd env "${vars[@]}" N_TASKS="$N_TASKS" MAX_IDLE_HOURS="$MAX_IDLE_HOURS" "$PYTHON" "$HERE/eval_watch.py"
   else
-    do_cmd env "${vars[@]}" CHECKPOINT="$CHECKPOINT" EVAL_TASKS="$EVAL_TASKS" "$PYTHON" "$HERE/eval_adapter.py"
+    do_cmd env "${vars[@]}" EVAL_TASKS="$EVAL_TASKS" CHECKPOINT="$CHECKPOINT" "$PYTHON" "$HERE/eval_adapter.py"
   fi
 }
 

@@ -326,7 +326,7 @@ def render(report: dict[str, Any]) -> str:
         f"{t['ratio_band'][0]:.4f}-{t['ratio_band'][1]:.4f}); sync median {num(sync.get('median'), '.1f')} ms, max "
         f"{num(sync.get('max'), '.1f')} ms; fused tensors {num(fused)}",
         "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])
-        + f"; resume {report['resume'].get('why') or report['resume']['verified']}",
+        + "; resume " + (report["resume"].get("why") or "not part of this run"),
     ]
     ev = report["eval"]
     if ev:

@@ -225,7 +225,7 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     ({"ADAPTER_REPO": "you/LFM2.5-2.6B-opencode-lora-RL"}, "ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL must end "
                                                             "with -smoke"),
     ({"MAX_STEPS": "20"}, "MODE=smoke runs its budgeted plan (MAX_STEPS=6 SAVE_STEPS=2 EVAL_TASKS=4)"),
-    ({"MODE": "quick"}, "MODE=quick: use train (default) or smoke"),
+    ({"MODE": "quick"}, "MODE='quick' is not one of train, smoke"),
 ])
 def test_smoke_bad_input_stops_at_once(job, extra, message):
     out = run_job(job, timeout=30, **{**SMOKE, **extra})
@@ -240,14 +240,14 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "smoke_report", "trainer",
-                     "trainer", "run_eval", "smoke_report"], log
-    assert log[7] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"
-    assert "STOP_AFTER_STEP=2" in log[8] and "STOP_AFTER_STEP=None" in log[9]
-    assert "EVAL_TASKS=4 training_vllm=down" in log[10]
+    assert kinds == ["pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "smoke_report",
+                     "trainer", "trainer", "run_eval", "smoke_report"], log
+    assert log[8] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"
+    assert "STOP_AFTER_STEP=2" in log[9] and "STOP_AFTER_STEP=None" in log[10]
+    assert "EVAL_TASKS=4 training_vllm=down" in log[11]
     steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",
              "resume", "final-eval"]
-    assert log[11] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
+    assert log[12] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
     assert "SMOKE REPORT: GO" in out.stdout
     assert_no_leftovers(job["token"])
 
