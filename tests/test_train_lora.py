@@ -259,7 +259,7 @@ def test_real_trainer_and_config_from_the_builders(built):
     assert wrapped_modules(trainer.model) == wrapped_modules(get_peft_model(tiny_model()[0], train_lora.lora_config()))
     assert trainer.processing_class.response_template is not None
     assert [type(c).__name__ for c in trainer.callback_handler.callbacks if type(c).__module__ == "train_lora"] == [
-        "Heartbeat", "CheckpointPusher"]
+        "Heartbeat", "CheckpointPusher", "RunLog"]  # StopAfterStep only with STOP_AFTER_STEP
     # Dashboard: Trackio by default, one project per adapter repo, one run per job, a private live Space.
     assert args.report_to == ["trackio"] and args.project == REPO.split("/")[-1] and args.run_name.startswith("train-")
     assert (args.trackio_space_id, args.hub_private_repo, args.trackio_static_space_id) == (
