@@ -95,14 +95,24 @@ require_sandbox_credentials() {
 do_cmd() { if dry_run; then show_cmd "$@"; else "$@"; fi; }
 
 # step N NAME FUNCTION...: runs FUNCTION and prints one line with what it did ($STEP_NOTE) and how long it took.
+# With STAGES_FILE set (the smoke run), it also records "start NAME EPOCH" / "end NAME EPOCH NOTE" for the report:
+# a step that started and never ended is the one the job died in.
 STEP_NOTE=""
 step() {
   local n="$1" name="$2" t0=$SECONDS
   shift 2
   STEP_NOTE=""
   log "step $n/$STEPS $name"
+  record_stage start "$name"
   "$@"
+  record_stage end "$name" "${STEP_NOTE:-done}"
   log "step $n/$STEPS $name: ${STEP_NOTE:-done} ($(( SECONDS - t0 ))s)"
+}
+
+record_stage() {
+  if [ -z "${STAGES_FILE:-}" ] || dry_run; then return 0; fi
+  mkdir -p "$(dirname "$STAGES_FILE")"
+  printf '%s %s %s %s\n' "$1" "$2" "$(date +%s)" "${3:-}" >>"$STAGES_FILE"
 }
 
 # py_check CODE ARGS...: runs python with the bundle importable; on failure dies with the last line it printed.
@@ -201,11 +211,16 @@ print(f"  versions: {versions}")'
   STEP_NOTE="pinned stack installed and checked; pip check clean but for recipe.PIP_CHECK_ACCEPTED; vLLM's API server imports"
 }
 
-# on_exit: the EXIT trap of a job script: kills every child process group, says the script failed if it did.
+# on_exit: the EXIT trap of a job script: kills every child process group, runs $REPORT_HOOK if the script set one
+# (the smoke report: it runs whatever happened, and its failure fails the job), says the script failed if it did.
 on_exit() {
-  local rc=$?
+  local rc=$? hook_rc=0
   trap - EXIT
   cleanup
+  if [ -n "${REPORT_HOOK:-}" ]; then
+    "$REPORT_HOOK" || hook_rc=$?
+    [ "$rc" -ne 0 ] || rc="$hook_rc"
+  fi
   if [ "$rc" -ne 0 ]; then log "$(basename "$0" .sh): FAILED (exit $rc)$([ ! -d "$LOG_DIR" ] || echo "; logs in $LOG_DIR")"; fi
   exit "$rc"
 }

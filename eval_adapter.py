@@ -407,6 +407,13 @@ def rewards(cells: Iterable[dict[str, Any]], side: str) -> dict[str, float | Non
     return {str(c["task_index"]): c["reward"] for c in cells if c["side"] == side}
 
 
+def choose_subset(n_total: int, n: int, seed: int = recipe.EVAL_SEED) -> list[int]:
+    """A fixed, seeded choice of n task indices out of n_total (all of them when n == n_total)."""
+    if not 0 < n <= n_total:
+        raise recipe.ConfigError(f"N_TASKS={n} must be between 1 and the {n_total} tasks the test split has")
+    return sorted(random.Random(seed).sample(range(n_total), n))
+
+
 # --- Summary ---------------------------------------------------------------------
 def wilson_ci(correct: int, n: int, z: float = 1.959964) -> tuple[float, float]:
     """95% Wilson score interval for a pass rate (sane at 0 and n, unlike the normal approximation)."""
@@ -570,6 +577,9 @@ def main() -> None:
     parser.add_argument("--vllm-url", default=os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"))
     parser.add_argument("--split", default=os.environ.get("EVAL_SPLIT", ""), help="env server split (test)")
     parser.add_argument("--work-dir", default=os.environ.get("EVAL_WORK_DIR", "eval-work"))
+    parser.add_argument("--n-tasks",
+                        help=f"a fixed, seeded subset of the test tasks (env EVAL_TASKS; the smoke run's), default all "
+                             f"{recipe.TEST_TASKS}")
     parser.add_argument("--concurrency",
                         help=f"rollouts in flight (env EVAL_CONCURRENCY, default {recipe.EVAL_CONCURRENCY})")
     args = parser.parse_args()
@@ -577,6 +587,7 @@ def main() -> None:
     # Checked after parsing, by recipe.py's checks (as run_eval.sh's preflight): a bad value never breaks --help.
     checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
     concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
+    n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
     eval_sampling()
     from huggingface_hub import HfApi
 
@@ -586,6 +597,8 @@ def main() -> None:
     if len(tasks) != recipe.TEST_TASKS:
         raise recipe.ConfigError(f"split {factory.split!r} has {len(tasks)} tasks, the test split has "
                                  f"{recipe.TEST_TASKS}: point the env server at the test tasks or set EVAL_SPLIT")
+    if n_tasks != len(tasks):  # the smoke run's subset: the same cells, fewer of them
+        tasks = [tasks[i] for i in choose_subset(len(tasks), n_tasks)]
     board = dashboard.for_eval(repo_id, "eval", os.environ)
     try:
         doc = evaluate(api, repo_id, checkpoint, factory, tasks, LoraServer(args.vllm_url), Path(args.work_dir),

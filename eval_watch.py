@@ -23,7 +23,6 @@ import io
 import json
 import logging
 import os
-import random
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -51,6 +50,7 @@ from eval_adapter import (
     LoraServer,
     ResultsFile,
     SessionFactory,
+    choose_subset,
     eval_sampling,
     pull_results,
     push_results,
@@ -70,13 +70,6 @@ CURVE_DPI = 100  # => an 800 x 450 px image
 def discover(files: list[str]) -> list[tuple[int, str]]:
     """Complete checkpoints as (step, name), in step order; half-uploaded ones are left for a later poll."""
     return [(step, checkpoint_name(step)) for step in complete_checkpoints(files)]
-
-
-def choose_subset(n_total: int, n: int, seed: int = recipe.EVAL_SEED) -> list[int]:
-    """A fixed, seeded choice of n task indices out of n_total (all of them when n == n_total)."""
-    if not 0 < n <= n_total:
-        raise recipe.ConfigError(f"N_TASKS={n} must be between 1 and the {n_total} tasks the test split has")
-    return sorted(random.Random(seed).sample(range(n_total), n))
 
 
 def checkpoint_entry(name: str, step: int, doc: dict[str, Any], base: dict[str, float | None]) -> dict[str, Any]:

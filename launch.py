@@ -10,7 +10,8 @@ above (PEP 723) makes `uv run launch.py` bring huggingface_hub>=2.1.1 and tomli-
 task-list checks the preflight reuses, imports it), in any shell:
 
     export ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL
-    uv run launch.py smoke                                # MAX_STEPS=20, ~40 min on h200x2: do this first
+    uv run launch.py smoke                                # every stage at small scale, 2 h cap: do this first
+    uv run launch.py eval-watch --smoke                   # the watcher's hot-load path on the smoke run's checkpoints
     uv run launch.py train                                # MAX_STEPS=1000 on h200x2, 72 h cap
     uv run launch.py eval-watch                           # live learning curve on h200, 48 h cap
     uv run launch.py eval --checkpoint checkpoint-300     # standalone base-vs-adapter eval on h200
@@ -34,6 +35,7 @@ from typing import Any
 
 import dashboard
 import recipe
+import smoke_report
 from adapter_repo import (
     FINAL,
     checkpoint_complete,
@@ -46,7 +48,7 @@ from adapter_repo import (
 HERE = Path(__file__).resolve().parent
 PROJECT = "lfm-opencode-lora-rl"
 CODE_REPO_NAME = f"{PROJECT}-code"
-SMOKE_SUFFIX = "-smoke"
+SMOKE_SUFFIX = smoke_report.SMOKE_SUFFIX
 APP_DIR = "/app"
 # The bundle: top-level scripts and docs, the job's runtime pins, the frozen task lists. Nothing below
 # tests/, benchmarks/, .venv or caches (the globs are not recursive).
@@ -65,7 +67,8 @@ _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 # recipe.knob check the job's own preflight runs; unset ones keep the job's recipe default.
 JOB_KNOBS: dict[str, tuple[str, ...]] = {
     "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL"),
-    "smoke": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL"),
+    # Not SAVE_STEPS, RESUME or FINAL_EVAL: the smoke plan fixes them (a stop after checkpoint-2, a resume, an eval).
+    "smoke": ("WEIGHT_SYNC", "STALL_MINUTES"),
     "eval-watch": ("MAX_IDLE_HOURS", "EVAL_CONCURRENCY"),
     "eval": ("EVAL_CONCURRENCY",),
 }
@@ -76,7 +79,7 @@ MODES: dict[str, dict[str, Any]] = {
                                                 "model_cards.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
     "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "weight_sync.py", "rollout_guard.py", "run_metrics.py",
-                                                "model_cards.py"),
+                                                "model_cards.py", "smoke_report.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.SMOKE_TIMEOUT},
     "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
                    "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
@@ -223,10 +226,13 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
     job = {"ADAPTER_REPO": adapter_repo}
     if mode == "train":
         job["MAX_STEPS"] = str(recipe.knob("MAX_STEPS", env, args.max_steps))
-    elif mode == "smoke":
-        job["MAX_STEPS"] = str(recipe.SMOKE_STEPS)
+    elif mode == "smoke":  # run_job.sh refuses any other numbers: they are the ones the smoke plan budgets
+        job.update(MODE="smoke", MAX_STEPS=str(recipe.SMOKE_STEPS), SAVE_STEPS=str(recipe.SMOKE_SAVE_STEPS),
+                   EVAL_TASKS=str(recipe.SMOKE_EVAL_TASKS))
     elif mode == "eval-watch":
-        job["N_TASKS"] = str(recipe.knob("N_TASKS", env, args.n_tasks))
+        job["N_TASKS"] = str(recipe.SMOKE_WATCH_TASKS if args.smoke else recipe.knob("N_TASKS", env, args.n_tasks))
+        if args.smoke:  # stops after the smoke run's final adapter, or idle for the rest of the smoke job's cap
+            job["MAX_IDLE_HOURS"] = recipe.shell_value(smoke_report.seconds(recipe.SMOKE_TIMEOUT) / 3600)
     else:
         job["CHECKPOINT"] = recipe.knob("CHECKPOINT", env, args.checkpoint)
     if args.sandbox != recipe.SANDBOX:
@@ -246,13 +252,14 @@ def notes(mode: str, env: dict[str, str]) -> list[str]:
     return []
 
 
-def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str]) -> dict[str, Any]:
+def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
+             timeout: str | None = None) -> dict[str, Any]:
     """The keyword arguments of `run_job` (every job runs OpenCode in remote sandboxes: all expose /capture)."""
     return {
         "image": recipe.VLLM_IMAGE,
         "command": job_command(code_repo, revision, MODES[mode]["script"]),
         "flavor": MODES[mode]["flavor"],
-        "timeout": MODES[mode]["timeout"],
+        "timeout": timeout or MODES[mode]["timeout"],
         "env": env,
         "secrets": secrets,
         "expose_public": [recipe.PUBLIC_PORT],
@@ -334,10 +341,14 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train", parents=[common], help=f"full training run ({recipe.TRAIN_FLAVOR})")
     train.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
-    smoke = sub.add_parser("smoke", parents=[common], help=f"MAX_STEPS={recipe.SMOKE_STEPS} smoke run into "
-                           f"<ADAPTER_REPO>{SMOKE_SUFFIX}: do this first")
+    smoke = sub.add_parser("smoke", parents=[common], help=f"every stage at small scale ({recipe.SMOKE_STEPS} steps, "
+                           f"a resume, an eval subset, a go/no-go report) into <ADAPTER_REPO>{SMOKE_SUFFIX}: do this "
+                           "first")
     watch = sub.add_parser("eval-watch", parents=[common], help="per-checkpoint eval worker (live learning curve)")
     watch.add_argument("--n-tasks", help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
+    watch.add_argument("--smoke", action="store_true",
+                       help=f"watch the smoke run's repo (<ADAPTER_REPO>{SMOKE_SUFFIX}) on {recipe.SMOKE_WATCH_TASKS} "
+                            f"tasks; launch it next to `smoke` (cap {recipe.SMOKE_WATCH_TIMEOUT})")
     evaluate = sub.add_parser("eval", parents=[common], help="standalone base-vs-adapter eval of one checkpoint")
     evaluate.add_argument("--checkpoint", help="checkpoint-N or final (env CHECKPOINT, default final)")
     for mode, sub_parser in (("train", train), ("smoke", smoke), ("eval-watch", watch), ("eval", evaluate)):
@@ -359,7 +370,8 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         check_hub_version(hub_version)
     token = checked_token(env, stored_token)
     adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
-    if mode == "smoke":
+    smoke = mode == "smoke" or getattr(args, "smoke", False)
+    if smoke:
         adapter_repo = smoke_repo(adapter_repo)
     check_bundle_dir(bundle)
     check_task_lists(bundle)
@@ -369,14 +381,17 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     job_vars = job_env(mode, adapter_repo, args, env)
     secrets = {"HF_TOKEN": token, **checked_sandbox(args.sandbox, env)}
     said = {"notes": told} if (told := notes(mode, env)) else {}
+    timeout = recipe.SMOKE_WATCH_TIMEOUT if smoke and mode == "eval-watch" else None
+    if mode == "smoke":  # what the job will do with its cap: the stage budget it checks itself against
+        said["smoke_plan"] = smoke_report.plan()
     if args.dry_run:
-        spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets)
+        spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets, timeout)
         return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files},
                 "dashboard": dashboard_info(args, adapter_repo, TOKEN_OWNER), **said}
     api = make_api(token)
     check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"))
     revision = upload_bundle(api, code_repo, bundle, files)
-    spec = job_spec(mode, code_repo, revision, job_vars, secrets)
+    spec = job_spec(mode, code_repo, revision, job_vars, secrets, timeout)
     job = api.run_job(**spec, token=token)
     board = dashboard_info(args, adapter_repo, token_owner(api))
     follow = follow_lines(job)

@@ -104,7 +104,10 @@ AGENT_TIMEOUT_SEC = 1500
 # --- Optimisation ------------------------------------------------------------
 LEARNING_RATE = 1e-6
 MAX_STEPS = 1000
-SMOKE_STEPS = 20  # ~40-minute smoke run.
+# Smoke run (launch.py smoke, run_job.sh MODE=smoke): every stage of the real job at small scale, inside
+# SMOKE_TIMEOUT with a margin (smoke_report.plan prints it). 6 steps: more than MAX_STALENESS, so the rollout
+# queue runs ahead of the trainer as it will in the real run; the stage budget below decides the count.
+SMOKE_STEPS = 6
 NUM_GENERATIONS = 8  # One GRPO group of 8 rollouts = one task per step.
 MAX_STALENESS = 4
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
@@ -191,6 +194,54 @@ REPORT_TO = "trackio"
 # Trackio dashboard Space, created private under the HF token's owner (env DASHBOARD_SPACE; "local" = no Space,
 # Trackio logs on the machine only). Training, the eval watcher and the final eval all log to it.
 DASHBOARD_SPACE = "lfm-opencode-lora-rl-dashboard"
+# --- Smoke run -------------------------------------------------------------
+# The smoke run checkpoints every SMOKE_SAVE_STEPS (steps 2, 4 and 6: three pushes read back from the Hub);
+# its first trainer start stops right after checkpoint-SMOKE_SAVE_STEPS and a second start resumes from the Hub.
+SMOKE_SAVE_STEPS = 2
+# Held-out tasks of the smoke's final eval (base and adapter: 2 x 4 = 8 cells, one wave at EVAL_CONCURRENCY).
+SMOKE_EVAL_TASKS = 4
+# Tasks of the eval-watch smoke launch (launch.py eval-watch --smoke): one short wave per checkpoint. Its cap: the
+# smoke job's, plus an hour for the waves after the smoke's final adapter lands (base, 3 checkpoints, final).
+SMOKE_WATCH_TASKS = 2
+SMOKE_WATCH_TIMEOUT = "3h"
+# The importance ratio (trainer / vLLM probabilities, TRL's logged `ratio`) the recipe expects with full-vocabulary
+# sampling and bf16 serving; a step outside it means trainer and vLLM disagree on the policy: NO-GO.
+RATIO_MIN = 0.998
+RATIO_MAX = 1.0
+RATIO_TOLERANCE = 0.002  # bf16 rounding of the served logprobs either side of the band, on a per-step mean.
+
+# Smoke stage budget, in seconds (typical durations; smoke_report.plan sums them against SMOKE_TIMEOUT).
+# Job start: the image pull, `pip install huggingface_hub` and the bundle download happen before run_job.sh runs.
+SMOKE_JOB_START_S = 300
+# Install: apt git/curl + the pinned stack next to the image's torch and vLLM (~105 s for the whole stack with
+# torch measured on a CPU machine; x3 for PyPI and the image's larger dependency set).
+SMOKE_INSTALL_S = 300
+# OpenEnv clone (blob-less, one commit), the seam check and 1,000 train task folders from the Hub.
+SMOKE_PREPARE_S = 300
+# vLLM: ~5 GB of bf16 weights downloaded, loaded and CUDA graphs captured; then the env server and the gateway.
+SMOKE_SERVERS_S = 600
+# A trainer start: fp32 model load, TRL's rollout child (TRL itself fails past WORKER_START_LIMIT_S) and the cold
+# sync; on the second start also the verified download of the checkpoint (adapter + optimizer state, ~0.5 GB).
+SMOKE_TRAINER_START_S = WORKER_START_LIMIT_S
+# The first step of a run waits for one whole group of NUM_GENERATIONS rollouts (TRL trains a group only when all of
+# it is done), and a rollout may legally run to OpenEnv's call limit (agent timeout AGENT_TIMEOUT_SEC plus sandbox
+# boot and grading): the first start's first step is budgeted at that, a whole slow group.
+SMOKE_SLOW_GROUP_S = TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S
+# Any later step, the resumed start's first step included: the recipe's early step time (~90 s/step before the queue
+# saturates) with a third more. A second slow group overruns this; the smoke deadline then stops the stage and the
+# report says NO-GO within the cap (agents at the timeout twice in 6 steps would make the real run crawl too).
+SMOKE_STEP_S = 120
+# One checkpoint push (adapter + optimizer state, ~0.5 GB, one commit) or read-back (verified download).
+SMOKE_PUSH_S = 60
+# Final eval: vLLM restarted in LoRA mode (weights cached), the 250 test task folders, the env server, then one wave
+# of 2 x SMOKE_EVAL_TASKS cells at the typical rollout time (a slow wave overruns: the deadline stops it, NO-GO).
+SMOKE_EVAL_SERVERS_S = 300
+SMOKE_EVAL_WAVE_S = 600
+# The report: reads the Hub back, pushes smoke_report.json. Reserved at the end: every stage before it runs under a
+# deadline of SMOKE_TIMEOUT minus this and the job start, so a report always lands before the platform kills the job.
+SMOKE_REPORT_S = 180
+# The plan must leave at least this share of SMOKE_TIMEOUT unbudgeted (tests/test_smoke_report.py checks it).
+SMOKE_MIN_MARGIN = 0.10
 
 # --- Checks shared by every entry point ----------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
@@ -275,6 +326,11 @@ def _stall_seconds(env: Mapping[str, str]) -> int:
     return math.ceil(knob("STALL_MINUTES", env) * 60)
 
 
+def _step_or_off(raw: str, var: str) -> int:
+    """0 (off) or a step number."""
+    return 0 if raw.strip() == "0" else whole_number(raw, var)
+
+
 _port = functools.partial(whole_number, upper=65535)
 # name -> (default, or a function of the environment giving it; check(raw, name) -> value)
 ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
@@ -297,6 +353,9 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "MAX_IDLE_HOURS": (MAX_IDLE_HOURS, positive_number),
     "EVAL_CONCURRENCY": (EVAL_CONCURRENCY, whole_number),
     "EVAL_MODE": ("full", functools.partial(one_of, choices=("full", "watch"))),
+    "EVAL_TASKS": (TEST_TASKS, functools.partial(whole_number, upper=TEST_TASKS, why="tasks in data/test.json")),
+    "MODE": ("train", functools.partial(one_of, choices=("train", "smoke"))),
+    "STOP_AFTER_STEP": (0, _step_or_off),
     "MAX_LORAS": (1, whole_number),
     "POLICY_PORT": (VLLM_PORT, _port),
     "ENV_PORT": (ENV_PORT, _port),

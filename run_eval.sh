@@ -12,6 +12,7 @@
 #   ADAPTER_REPO             required: owner/name of the adapter repo (results are pushed there too).
 #   HF_TOKEN                 required (job secret); never printed.
 #   CHECKPOINT=final         full mode: "final" (the adapter at the repo root) or "checkpoint-N".
+#   EVAL_TASKS=<TEST_TASKS>  full mode: a fixed, seeded subset of the test tasks (the smoke run's final eval).
 #   EVAL_MODE=full           full = eval_adapter.py on all test tasks; watch = eval_watch.py (live curve).
 #   N_TASKS=<EVAL_WATCH_TASKS>   watch mode: size of the fixed test subset.
 #   MAX_IDLE_HOURS=<MAX_IDLE_HOURS>  watch mode: stop after this long without a new checkpoint.
@@ -34,7 +35,8 @@ read_knobs() {
   mapfile -t k < <(recipe LOOPBACK EVAL_GPU SANDBOX EVAL_FLAVOR)
   [ "${#k[@]}" -eq 4 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
   LOOPBACK="${k[0]}"; GPU="${GPU:-${k[1]}}"; SANDBOX="${SANDBOX:-${k[2]}}"; JOB_FLAVOR="${k[3]}"
-  env_knobs EVAL_MODE CHECKPOINT N_TASKS MAX_IDLE_HOURS EVAL_CONCURRENCY READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT
+  env_knobs EVAL_MODE CHECKPOINT EVAL_TASKS N_TASKS MAX_IDLE_HOURS EVAL_CONCURRENCY READY_TIMEOUT POLICY_PORT ENV_PORT \
+    PUBLIC_PORT
   WORK_DIR="${WORK_DIR:-/tmp/lfm-eval}"; TASKS_DIR="$WORK_DIR/tasks"
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
   export SANDBOX
@@ -96,7 +98,7 @@ run_eval() {
   if [ "$EVAL_MODE" = watch ]; then
     do_cmd env "${vars[@]}" N_TASKS="$N_TASKS" MAX_IDLE_HOURS="$MAX_IDLE_HOURS" "$PYTHON" "$HERE/eval_watch.py"
   else
-    do_cmd env "${vars[@]}" CHECKPOINT="$CHECKPOINT" "$PYTHON" "$HERE/eval_adapter.py"
+    do_cmd env "${vars[@]}" EVAL_TASKS="$EVAL_TASKS" CHECKPOINT="$CHECKPOINT" "$PYTHON" "$HERE/eval_adapter.py"
   fi
 }
 

@@ -20,11 +20,15 @@
 #   WATCH_INTERVAL=<WATCH_INTERVAL_S>  seconds between watchdog checks.  READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   FINAL_EVAL=1             0 skips the final eval (run_eval.sh) after training.
+#   MODE=train               smoke = the smoke run (launch.py smoke): into an -smoke repo it empties first, MAX_STEPS=
+#                            <SMOKE_STEPS> SAVE_STEPS=<SMOKE_SAVE_STEPS>; the trainer stops after the first checkpoint and
+#                            a second start resumes from the Hub; the final eval on EVAL_TASKS=<SMOKE_EVAL_TASKS> test
+#                            tasks; every stage under the plan's deadline (smoke_report.py plan), then the go/no-go
+#                            report (smoke_report.json pushed; exit 1 on NO-GO) whatever happened.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-STEPS=9
 declare -A PID=()
 # launch NAME CMD...: start_bg, remembering NAME's pid for the watchdog and stop_child.
 launch() {
@@ -36,15 +40,22 @@ launch() {
 # run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT SANDBOX TRAIN_FLAVOR)
-  [ "${#k[@]}" -eq 7 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT SANDBOX TRAIN_FLAVOR SMOKE_STEPS \
+    SMOKE_SAVE_STEPS SMOKE_EVAL_TASKS)
+  [ "${#k[@]}" -eq 10 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
   LOOPBACK="${k[0]}"; TRAINER_GPU="${k[1]}"; VLLM_GPU="${k[2]}"
   OPENENV_GIT="${OPENENV_GIT:-${k[3]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[4]}}"; SANDBOX="${SANDBOX:-${k[5]}}"
   JOB_FLAVOR="${k[6]}"
+  env_knobs MODE
+  STEPS=9
+  if [ "$MODE" = smoke ]; then  # the smoke plan's numbers unless set (then preflight checks they are the plan's)
+    STEPS=10; SMOKE_PLAN="MAX_STEPS=${k[7]} SAVE_STEPS=${k[8]} EVAL_TASKS=${k[9]}"
+    export MAX_STEPS="${MAX_STEPS:-${k[7]}}" SAVE_STEPS="${SAVE_STEPS:-${k[8]}}" EVAL_TASKS="${EVAL_TASKS:-${k[9]}}"
+  fi
   env_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL \
-    READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT
+    READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT EVAL_TASKS
   WORK_DIR="${WORK_DIR:-/tmp/lfm-job}"; TASKS_DIR="$WORK_DIR/tasks"; OUTPUT_DIR="$WORK_DIR/output"
-  HEARTBEAT_FILE="$WORK_DIR/heartbeat"
+  HEARTBEAT_FILE="$WORK_DIR/heartbeat"; STAGES_FILE=""
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
   export SANDBOX
 }
@@ -57,7 +68,35 @@ preflight() {
   require_gpus "$TRAINER_GPU" "$VLLM_GPU"
   local port
   for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
-  STEP_NOTE="ADAPTER_REPO=$ADAPTER_REPO MAX_STEPS=$MAX_STEPS SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
+  [ "$MODE" = train ] || smoke_preflight
+  STEP_NOTE="MODE=$MODE ADAPTER_REPO=$ADAPTER_REPO MAX_STEPS=$MAX_STEPS SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
+}
+
+# The smoke run's own checks and plan; from here on the job ends with the report, whatever happens.
+smoke_preflight() {
+  [[ "$ADAPTER_REPO" == *-smoke ]] \
+    || die "MODE=smoke empties its repo first: ADAPTER_REPO=$ADAPTER_REPO must end with -smoke (launch.py smoke adds it)"
+  [ "MAX_STEPS=$MAX_STEPS SAVE_STEPS=$SAVE_STEPS EVAL_TASKS=$EVAL_TASKS" = "$SMOKE_PLAN" ] \
+    || die "MODE=smoke runs its budgeted plan ($SMOKE_PLAN): change recipe.py's SMOKE_* numbers, not the environment"
+  "$PYTHON" "$HERE/smoke_report.py" plan
+  DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline) ))
+  STOP_AFTER_STEP="$SAVE_STEPS"
+  STAGES_FILE="$WORK_DIR/stages"
+  dry_run || { mkdir -p "$WORK_DIR"; : >"$STAGES_FILE"; }
+  record_stage start preflight  # this step began before the file existed
+  REPORT_HOOK=smoke_job_report
+}
+
+# The go/no-go report ($REPORT_HOOK, run at exit): one screen in the log, smoke_report.json pushed; 1 on NO-GO.
+smoke_job_report() {
+  local -a cmd=("$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE")
+  if dry_run; then
+    echo "  at exit, whatever happened: the go/no-go report (smoke_report.json; the job fails on NO-GO)"
+    show_cmd "${cmd[@]}"
+    return 0
+  fi
+  log "smoke report: checkpoints read back from $ADAPTER_REPO, the job's own records in $WORK_DIR"
+  "${cmd[@]}"
 }
 
 # 2. OpenEnv at the pinned commit, its envs/ on the path via a .pth file; HarborSession must be trainable.
@@ -126,24 +165,48 @@ arm_watchdog() {
   STEP_NOTE="no optimizer step and no finished rollout for ${STALL_SECONDS}s ($HEARTBEAT_FILE) fails the job; so does any server exiting"
 }
 
-# 8. The trainer on its GPU, supervised until it exits.
+# 8. The trainer on its GPU, supervised until it exits. The smoke run empties its repo first and stops the trainer
+#    after its first checkpoint (STOP_AFTER_STEP), which step 9 resumes from the Hub.
 train() {
-  local -a vars=(CUDA_VISIBLE_DEVICES="$TRAINER_GPU" ADAPTER_REPO="$ADAPTER_REPO" MAX_STEPS="$MAX_STEPS"
-    SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
-    OUTPUT_DIR="$OUTPUT_DIR" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
-    SANDBOX="$SANDBOX")
-  launch trainer env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
-  if dry_run; then
-    echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, trainer and the heartbeat age"
-    return 0
+  if [ "$MODE" = smoke ]; then
+    do_cmd "$PYTHON" "$HERE/smoke_report.py" clear
+    run_trainer trainer "$OUTPUT_DIR" STOP_AFTER_STEP="$STOP_AFTER_STEP"
+    STEP_NOTE="trainer stopped after checkpoint-$STOP_AFTER_STEP (pushed)"
+  else
+    run_trainer trainer "$OUTPUT_DIR"
+    STEP_NOTE="trainer finished $MAX_STEPS steps"
   fi
-  supervise
-  STEP_NOTE="trainer finished $MAX_STEPS steps"
 }
 
-# Returns when the trainer exits 0; dies when it fails, stalls, or a server exits.
+# 9 (smoke). A second trainer start, as a relaunched job: resumes from checkpoint-STOP_AFTER_STEP on the Hub (into
+#    an empty output folder, so nothing local helps). The first start's rollout counts are kept for the report.
+resume_training() {
+  dry_run || mv -f "$WORK_DIR/rollouts.json" "$WORK_DIR/rollouts.first-start.json" 2>/dev/null || true
+  run_trainer trainer-resume "$OUTPUT_DIR-resume"
+  STEP_NOTE="second trainer start finished $MAX_STEPS steps (resumed from the Hub: the report checks it)"
+}
+
+# run_trainer NAME OUTPUT_DIR [VAR=VALUE...]: the trainer on its GPU under the watchdog (and the smoke deadline).
+run_trainer() {
+  local name="$1" output="$2"
+  shift 2
+  local -a vars=(CUDA_VISIBLE_DEVICES="$TRAINER_GPU" ADAPTER_REPO="$ADAPTER_REPO" MAX_STEPS="$MAX_STEPS"
+    SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
+    OUTPUT_DIR="$output" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
+    SANDBOX="$SANDBOX" "$@")
+  launch "$name" env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
+  if dry_run; then
+    echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, $name and the heartbeat age" \
+      "${DEADLINE:+(and the smoke deadline)}"
+    return 0
+  fi
+  supervise "$name"
+}
+
+# supervise NAME: returns when the trainer NAME exits 0; dies when it fails, stalls, passes the smoke deadline, or a
+# server exits.
 supervise() {
-  local name age rc
+  local trainer="$1" name age rc
   while true; do
     for name in vllm env_server; do
       if ! kill -0 "${PID[$name]}" 2>/dev/null; then
@@ -151,15 +214,20 @@ supervise() {
         tail_log "$name"; die "$name exited (status $rc) while training: see the log tail above"
       fi
     done
-    if ! kill -0 "${PID[trainer]}" 2>/dev/null; then
-      rc=0; wait "${PID[trainer]}" || rc=$?
+    if ! kill -0 "${PID[$trainer]}" 2>/dev/null; then
+      rc=0; wait "${PID[$trainer]}" || rc=$?
       [ "$rc" -eq 0 ] && return 0
-      tail_log trainer; die "trainer exited with status $rc: $(tail -n 1 "$LOG_DIR/trainer.log" 2>/dev/null)"
+      tail_log "$trainer"; die "trainer exited with status $rc: $(tail -n 1 "$LOG_DIR/$trainer.log" 2>/dev/null)"
+    fi
+    if [ -n "${DEADLINE:-}" ] && (( $(date +%s) >= DEADLINE )); then
+      stop_child "$trainer"
+      tail_log "$trainer"
+      die "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
     fi
     age=$(( $(date +%s) - $(stat -c %Y "$HEARTBEAT_FILE" 2>/dev/null || echo 0) ))  # a deleted file counts as stale
     if (( age > STALL_SECONDS )); then
-      stop_child trainer
-      tail_log trainer
+      stop_child "$trainer"
+      tail_log "$trainer"
       die "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
     fi
     sleep "$WATCH_INTERVAL" & wait $! # interruptible, so a TERM is handled at once
@@ -183,8 +251,13 @@ final_eval() {
   if [ "$FINAL_EVAL" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=0)"; return 0; fi
   local limit pid rc=0
   limit="$(recipe EVAL_TIMEOUT)"
-  local -a cmd=(env ADAPTER_REPO="$ADAPTER_REPO" CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME"
-    LOG_DIR="$LOG_DIR/final-eval" timeout "$limit" bash "$HERE/run_eval.sh")
+  local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME" LOG_DIR="$LOG_DIR/final-eval")
+  if [ "$MODE" = smoke ]; then  # the subset, within what the smoke deadline leaves
+    vars+=(EVAL_TASKS="$EVAL_TASKS")
+    limit="$(( DEADLINE - $(date +%s) ))s"
+    [ "${limit%s}" -gt 0 ] || die "smoke deadline reached before the final eval"
+  fi
+  local -a cmd=(env "${vars[@]}" timeout "$limit" bash "$HERE/run_eval.sh")
   if dry_run; then
     echo "  stop vllm and env_server (frees GPU $VLLM_GPU and ports $POLICY_PORT $ENV_PORT $PUBLIC_PORT)"
     show_cmd "${cmd[@]}"
@@ -196,7 +269,7 @@ final_eval() {
   pid=$!
   CHILD_PIDS+=("$pid")
   wait "$pid" || rc=$?
-  [ "$rc" -ne 124 ] || die "final eval did not finish within $limit (EVAL_TIMEOUT)"
+  [ "$rc" -ne 124 ] || die "final eval did not finish within $limit (EVAL_TIMEOUT, or the smoke deadline)"
   [ "$rc" -eq 0 ] || die "final eval failed (status $rc); the trained adapter is already in $ADAPTER_REPO"
   STEP_NOTE="eval/final_results.json pushed to $ADAPTER_REPO"
 }
@@ -212,7 +285,12 @@ main() {
   step 6 env-server start_env_server
   step 7 watchdog arm_watchdog
   step 8 train train
-  step 9 final-eval final_eval
+  if [ "$MODE" = smoke ]; then
+    step 9 resume resume_training
+    step 10 final-eval final_eval
+  else
+    step 9 final-eval final_eval
+  fi
   log "run_job: done"
 }
 

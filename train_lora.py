@@ -68,6 +68,7 @@ class Settings:
     output_dir: str = "outputs"
     heartbeat_file: str = "outputs/heartbeat"
     resume: bool = True
+    stop_after_step: int = 0
     weight_sync: str = "merge_free"
     sandbox: str = "hf-sandbox"
     device: str = "cuda"
@@ -78,6 +79,14 @@ class Settings:
     def public(self) -> dict[str, Any]:
         """Every field except the token, for logs and --dry-run."""
         return {k: v for k, v in asdict(self).items() if k != "hf_token"}
+
+
+def _stop_after(env: Mapping[str, str], max_steps: int) -> int:
+    """STOP_AFTER_STEP (recipe's check), which must also be below MAX_STEPS to stop anything."""
+    step = recipe.knob("STOP_AFTER_STEP", env)
+    if step >= max_steps:
+        raise recipe.ConfigError(f"STOP_AFTER_STEP={step} must be 0 (off) or a step below MAX_STEPS={max_steps}")
+    return step
 
 
 def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
@@ -109,6 +118,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
     needs the token (`--dry-run` reads no secret)."""
     output_dir = env.get("OUTPUT_DIR", "").strip() or Settings.output_dir
     sandbox = _sandbox(env)
+    max_steps = recipe.knob("MAX_STEPS", env)
     capture_url = _url(env, "CAPTURE_URL", "")
     if capture_url and sandbox == "hf-sandbox" and urlparse(capture_url).hostname in ("127.0.0.1", "localhost"):
         raise recipe.ConfigError(
@@ -121,7 +131,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         model=env.get("MODEL", "").strip() or recipe.BASE_MODEL,
         model_revision=env.get("MODEL_REVISION", "").strip() or recipe.BASE_MODEL_REVISION,
         served_model_name=env.get("SERVED_MODEL_NAME", "").strip() or recipe.SERVED_MODEL_NAME,
-        max_steps=recipe.knob("MAX_STEPS", env),
+        max_steps=max_steps,
         save_steps=recipe.knob("SAVE_STEPS", env),
         vllm_url=_url(env, "VLLM_URL", Settings.vllm_url),
         env_url=_url(env, "ENV_URL", Settings.env_url),
@@ -130,6 +140,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         output_dir=output_dir,
         heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / "heartbeat"),
         resume=recipe.knob("RESUME", env),
+        stop_after_step=_stop_after(env, max_steps),
         weight_sync=recipe.knob("WEIGHT_SYNC", env),
         sandbox=sandbox,
         device=_choice(env, "DEVICE", "cuda", DEVICES),
@@ -429,6 +440,59 @@ class Heartbeat(TrainerCallback):
                         json.dumps(counts["unscorable"]))
 
 
+TRAIN_LOG_NAME = "train_log.json"
+
+
+def train_log_path(heartbeat_file: str | Path) -> Path:
+    """Where RunLog writes: next to the heartbeat and rollouts.json, so the smoke report finds all three."""
+    return Path(heartbeat_file).with_name(TRAIN_LOG_NAME)
+
+
+class RunLog(TrainerCallback):
+    """Appends each trainer start and every logged step (TRL's metrics: ratio, perf/*, rollout/*, weight_sync/*) to
+    train_log.json, rewritten atomically. Machine-readable, and it spans a resumed start: the smoke report reads it
+    instead of scraping logs. {schema, starts: [{at, resumed_from, global_step, max_steps}], logs: [{start, step, ...}]}
+    """
+
+    def __init__(self, path: str | Path, resumed_from: int | None) -> None:
+        self.path, self.resumed_from = Path(path), resumed_from
+
+    def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            doc = {"schema": 1, "starts": [], "logs": []}
+        change(doc)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temp = self.path.with_name(f".{self.path.name}.tmp")
+        temp.write_text(json.dumps(doc))
+        os.replace(temp, self.path)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        start = {"at": time.time(), "resumed_from": self.resumed_from, "global_step": state.global_step,
+                 "max_steps": state.max_steps}
+        self._update(lambda doc: doc["starts"].append(start))
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **_: Any) -> None:
+        if logs:
+            self._update(lambda doc: doc["logs"].append({"start": len(doc["starts"]) - 1, "step": state.global_step,
+                                                         **logs}))
+
+
+class StopAfterStep(TrainerCallback):
+    """Ends training right after step N is saved (and so pushed): the smoke run's first trainer start, which a second
+    start then resumes from the Hub exactly as a relaunched job would (same MAX_STEPS, so the same schedule)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        if state.global_step >= self.step:
+            control.should_save = True
+            control.should_training_stop = True
+
+
 # --- Assembly ------------------------------------------------------------------------------------------------------
 def hub_api(settings: Settings) -> Any:
     """The Hub client the pushes go through."""
@@ -446,7 +510,8 @@ def check_device(settings: Settings) -> None:
 
 
 def build_trainer(
-    settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
+    settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None,
+    resumed_from: int | None = None,
 ) -> AsyncGRPOTrainer:
     """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC): worker, LoRA, heartbeat, checkpoint push, metrics."""
     import run_metrics
@@ -459,15 +524,19 @@ def build_trainer(
     tokenizer = load_tokenizer(settings)
     worker = rollout_worker(settings, tokenizer, dataset, factory)
     trainer_cls = weight_sync.trainer_class(settings.weight_sync)
+    callbacks: list[TrainerCallback] = [
+        Heartbeat(settings.heartbeat_file),
+        CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
+        RunLog(train_log_path(settings.heartbeat_file), resumed_from),
+    ]
+    if settings.stop_after_step:
+        callbacks.append(StopAfterStep(settings.stop_after_step))
     trainer = trainer_cls(
         model=settings.model,
         args=grpo_config(settings),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=[
-            Heartbeat(settings.heartbeat_file),
-            CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
-        ],
+        callbacks=callbacks,
         peft_config=lora_config(),
         rollout_worker=worker,
         weight_transfer=weight_transfer,
@@ -480,7 +549,7 @@ def train(
     settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
 ) -> None:
     """Resume from the adapter repo if it has a complete checkpoint, train, then push the final adapter (and the
-    training repo's model card) to its root."""
+    training repo's model card) to its root; not when STOP_AFTER_STEP ended the run early (a later start resumes)."""
     import model_cards
     import run_metrics
 
@@ -490,8 +559,14 @@ def train(
     # Before any model loads: a token that cannot write to ADAPTER_REPO fails here, not at step 100.
     api.create_repo(settings.adapter_repo, private=True, exist_ok=True)
     resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
-    trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api)
+    resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
+    trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api,
+                            resumed_from=resumed_from)
     trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
+    if settings.stop_after_step and trainer.state.global_step < settings.max_steps:
+        logger.info("stopped after step %d (STOP_AFTER_STEP): its checkpoint is pushed; no final adapter yet",
+                    trainer.state.global_step)
+        return
     final_dir = Path(settings.output_dir) / "final"
     trainer.save_model(str(final_dir))
     card = model_cards.training_card(settings.adapter_repo, trainer.state.global_step,

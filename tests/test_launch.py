@@ -19,6 +19,7 @@ import pytest
 
 import launch
 import recipe
+import smoke_report
 from adapter_repo import COMPLETE_MARKER
 from tests import offline
 from tests.hub_double import LocalHub
@@ -31,8 +32,8 @@ CODE = "alice/lfm-opencode-lora-rl-code"
 # What the recipe says each job is (recipe.txt "Launch"/"Evaluation"), written out on purpose.
 EXPECTED = {
     "train": ("run_job.sh", "h200x2", "72h", {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "REPORT_TO": "trackio"}),
-    "smoke": ("run_job.sh", "h200x2", "2h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MAX_STEPS": "20",
-                                             "REPORT_TO": "trackio"}),
+    "smoke": ("run_job.sh", "h200x2", "2h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MODE": "smoke", "MAX_STEPS": "6",
+                                             "SAVE_STEPS": "2", "EVAL_TASKS": "4", "REPORT_TO": "trackio"}),
     "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
                                                         "REPORT_TO": "trackio"}),
     "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final", "REPORT_TO": "trackio"}),
@@ -40,7 +41,8 @@ EXPECTED = {
 SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
            "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py", "run_eval.sh", "launch.py",
-           "export_adapter.py", "README.md", "requirements.txt", "dashboard.py", "run_metrics.py", "model_cards.py"]
+           "export_adapter.py", "README.md", "requirements.txt", "dashboard.py", "run_metrics.py", "model_cards.py",
+           "smoke_report.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -400,6 +402,23 @@ def test_train_refuses_a_repo_holding_a_finished_run(capsys, monkeypatch, bundle
     assert len(hub.jobs) == 1  # the second launch started nothing
 
 
+def test_smoke_dry_run_shows_the_stage_budget(capsys, bundle):
+    rc, out, _ = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env())
+    plan = json.loads(out)["smoke_plan"]
+    assert rc == 0 and plan == smoke_report.plan()
+    assert plan["steps"] == 6 and plan["checkpoints"] == [2, 4, 6] and plan["margin_s"] > 0
+    assert [s["stage"] for s in plan["stages"]][4:6] == ["train", "resume"]
+
+
+def test_eval_watch_smoke_watches_the_smoke_repo_on_a_few_tasks(capsys, bundle):
+    rc, out, _ = run_main(capsys, ["eval-watch", "--smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env())
+    job = json.loads(out)["job"]
+    assert rc == 0 and "smoke_plan" not in json.loads(out)
+    assert job["env"] == {"ADAPTER_REPO": ADAPTER + "-smoke", "N_TASKS": "2", "MAX_IDLE_HOURS": "2",
+                          "REPORT_TO": "trackio"}
+    assert (job["flavor"], job["timeout"]) == ("h200", "3h")
+
+
 def test_smoke_ignores_the_real_runs_final_adapter(capsys, monkeypatch, bundle, tmp_path):
     hub = RecordingHub(tmp_path / "hub")
     hub.seed_adapter(ADAPTER)
@@ -425,7 +444,8 @@ def test_eval_refuses_a_checkpoint_the_repo_lacks(capsys, monkeypatch, bundle, t
 
 def test_launcher_imports_only_the_stdlib_hub_client_and_tomli_w(bundle, tmp_path):
     """launch.py runs in `uv run --with huggingface_hub>=2.1.1 --with tomli-w` (hub 2.x even drops httpx): on
-    every path it may import nothing but the standard library, huggingface_hub, packaging and tomli_w."""
+    every path it may import nothing but the standard library, huggingface_hub, packaging, tomli_w and the bundle's
+    own standard-library modules."""
     script = f"""
 import sys
 from pathlib import Path
@@ -441,11 +461,13 @@ for name in ("adapter_model.safetensors", "adapter_config.json", {COMPLETE_MARKE
 before = {{m.split(".")[0] for m in sys.modules}}
 import launch
 env = {{"HF_TOKEN": {CANARY!r}, "ADAPTER_REPO": {ADAPTER!r}}}
-for argv in (["train"], ["smoke"], ["eval-watch"], ["eval", "--checkpoint", "checkpoint-100"], ["train", "--dry-run"]):
+for argv in (["train"], ["smoke"], ["eval-watch"], ["eval", "--checkpoint", "checkpoint-100"], ["train", "--dry-run"],
+             ["smoke", "--dry-run"], ["eval-watch", "--smoke"]):
     assert launch.main([*argv, "--bundle-dir", {str(bundle)!r}], env=env, make_api=lambda t: hub,
                        stored_token=lambda: None) == 0, argv
 new = {{m.split(".")[0] for m in sys.modules}} - before - set(sys.stdlib_module_names)
-assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "tomli_w", "packaging", "dashboard"}}, new
+assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "smoke_report", "rollout_guard", "tomli_w",
+               "packaging", "dashboard"}}, new
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False,
                           cwd=tmp_path)
@@ -508,11 +530,11 @@ def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
 def test_smoke_says_it_ignores_max_steps(capsys, bundle):
     rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="5"))
     plan = json.loads(out)
-    assert rc == 0 and plan["job"]["env"]["MAX_STEPS"] == "20"
-    note = "smoke always runs MAX_STEPS=20: MAX_STEPS=5 from the environment is ignored"
+    assert rc == 0 and plan["job"]["env"]["MAX_STEPS"] == "6"
+    note = "smoke always runs MAX_STEPS=6: MAX_STEPS=5 from the environment is ignored"
     assert note in plan["notes"][0]
     assert err.count("\n") == 1 and err.startswith("launch.py: note: ") and note in err
-    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="20"))
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="6"))
     assert rc == 0 and err == "" and "notes" not in json.loads(out)
 
 

@@ -2,7 +2,8 @@
 
 The stand-ins are checked first, each against the real thing that consumes it (OpenEnv's endpoint probe,
 TRL's VLLMClient, PEFT's merge, the capture proxy). Then the rehearsal itself runs twice in one workdir:
-killed right after checkpoint-2 is pushed, then restarted, which must resume there and train step 3 only.
+killed right after checkpoint-2 is pushed, then restarted, which must resume there and train step 3 only, and end
+as the smoke job does, with a go/no-go report read from what the two starts left.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from trl.experimental.async_grpo.vllm_client import VLLMClient
 import adapter_repo
 import dashboard
 import recipe
+import smoke_report
 import train_lora
 import weight_sync
 
@@ -242,7 +244,7 @@ def test_rehearsal_trains_is_killed_after_checkpoint_2_and_resumes_for_step_3(tm
     assert not (repo / "adapter_model.safetensors").exists()  # killed before the final push
     checkpoint_2 = load_file(repo / "checkpoint-2" / "adapter_model.safetensors")
 
-    second = run_rehearsal(workdir)
+    second = run_rehearsal(workdir, "--smoke-report")
     assert second.returncode == 0, second.stdout[-3000:]
     report = json.loads((workdir / "report.json").read_text())
     assert report["resumed_from"] == 2
@@ -263,6 +265,29 @@ def test_rehearsal_trains_is_killed_after_checkpoint_2_and_resumes_for_step_3(tm
         base_logits = base(input_ids=ids).logits
         tuned = PeftModel.from_pretrained(base, repo)
         assert not torch.equal(tuned(input_ids=ids).logits, base_logits)
+    check_smoke_report(workdir, second.stdout)
+
+
+def check_smoke_report(workdir: Path, stdout: str) -> None:
+    """The smoke job's ending on the rehearsed run: the report read from what the two starts left (train_log.json,
+    both starts' rollout counts, the checkpoints downloaded back from the hub double and checked), pushed."""
+    report = json.loads((workdir / smoke_report.REPORT_PATH).read_text())
+    assert json.loads((workdir / "hub" / ADAPTER_REPO / smoke_report.REPORT_PATH).read_text()) == report
+    assert report["verdict"] == "GO" and report["reasons"] == [], report["reasons"]
+    assert "SMOKE REPORT: GO" in stdout and "2:ok, 3:ok" in stdout
+    assert report["resume"] == {"verified": True, "from": 2, "why": "resumed_from 2, state began at step 2, "
+                                                                     "first step trained 3"}
+    training = report["training"]
+    assert training["steps_done"] == 3 and training["step_s"]["max"] > 0
+    assert 0.9 < training["ratio"]["min"] <= training["ratio"]["max"] < 1.1
+    assert training["sync_ms"]["median"] > 0 and training["fused_tensors"] == 0  # CPU: cuBLAS's path only
+    assert [(c["step"], c["verified"]) for c in report["checkpoints"]] == [(2, True), (3, True)]
+    assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
+    counts = report["rollouts"]  # both starts: the killed one's counts were kept aside
+    assert counts["scored"] >= 3 * recipe.NUM_GENERATIONS and counts["stopped"] is None
+    assert len(list(workdir.glob("rollouts.*.json"))) == 1
+    versions = report["versions"]
+    assert versions["trl"] == "1.15.0" and versions["transformers"] == "5.17.0" and versions["fetch_training_trace"]
 
 
 def test_one_command_runs_three_steps_end_to_end_through_one_failure_of_each_class(tmp_path: Path) -> None:

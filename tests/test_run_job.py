@@ -25,7 +25,7 @@ STUBS = Path(__file__).resolve().parent / "stubs"
 REAL = ["run_job.sh", "common.sh", "recipe.py", "image_check.py", "requirements.txt", "serve_policy.sh",
         "serve_env.sh", "seam_patch.py", "capture_gateway.py", "rollout_guard.py"]
 FAKES = {"train_lora.py": "fake_trainer.py", "prepare_tasks.py": "fake_prepare_tasks.py",
-         "run_eval.sh": "fake_run_eval.sh"}
+         "run_eval.sh": "fake_run_eval.sh", "smoke_report.py": "fake_smoke_report.py"}
 SECRET = "hf_secret_token_value"
 
 
@@ -178,13 +178,93 @@ def test_full_run_in_order_and_cleans_up(job):
     assert f"SPACE_HOST={public}" in log[7] and "--host 127.0.0.1" in log[7]
     assert "CUDA_VISIBLE_DEVICES=0" in log[8] and "HF_TOKEN_SET=True" in log[8] and "MAX_STEPS=3" in log[8]
     assert log[9] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
-                     "training_vllm=down"
+                     "EVAL_TASKS= training_vllm=down"
     for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
                               "watchdog", "train", "final-eval"]):
         assert any(f"step {n}/9 {name}: " in line and line.endswith("s)") for line in out.stdout.splitlines())
     assert "trainer finished 3 steps" in out.stdout
     pth = (job["tmp"] / "site" / "openenv_envs.pth").read_text().strip()
     assert pth == str(job["tmp"] / "work" / "OpenEnv" / "envs")
+    assert_no_leftovers(job["token"])
+
+
+# --- the smoke run ------------------------------------------------------------------------------------------------
+
+SMOKE_REPO = "you/LFM2.5-2.6B-opencode-lora-RL-smoke"
+SMOKE = {"MODE": "smoke", "ADAPTER_REPO": SMOKE_REPO, "MAX_STEPS": str(recipe.SMOKE_STEPS),
+         "SAVE_STEPS": str(recipe.SMOKE_SAVE_STEPS), "EVAL_TASKS": str(recipe.SMOKE_EVAL_TASKS)}
+
+
+def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_the_report(job):
+    out = run_job(job, DRY_RUN="1", STUB_GPUS="none", **SMOKE)
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert "smoke plan: (stub)" in lines  # smoke_report.py plan, printed by the preflight
+    commands = [shlex.split(line[4:]) for line in lines if line.startswith("  $ ")]
+    clear = next(i for i, line in enumerate(lines) if line.endswith("smoke_report.py clear"))
+    trainers = [i for i, line in enumerate(lines) if line.startswith("  $ env CUDA_VISIBLE_DEVICES=0")]
+    starts = [c for c in commands if c[-1].endswith("train_lora.py")]
+    assert len(starts) == 2 and clear < trainers[0] < trainers[1]
+    first, second = starts
+    assert "STOP_AFTER_STEP=2" in first and not any(a.startswith("STOP_AFTER_STEP") for a in second)
+    for start in starts:
+        assert {"MAX_STEPS=6", "SAVE_STEPS=2", "RESUME=1"} <= set(start)
+    work = job["tmp"] / "work"
+    assert f"OUTPUT_DIR={work}/output" in first and f"OUTPUT_DIR={work}/output-resume" in second
+    for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
+                              "watchdog", "train", "resume", "final-eval"]):
+        assert any(line.endswith(f"] step {n}/10 {name}") for line in lines), name
+    evaluation = next(c for c in commands if c[-1].endswith("run_eval.sh"))
+    assert "EVAL_TASKS=4" in evaluation and "CHECKPOINT=final" in evaluation
+    assert evaluation[evaluation.index("timeout") + 1].endswith("s")  # what the smoke deadline leaves
+    assert lines[-1].endswith(f"smoke_report.py report --work-dir {work} --stages {work}/stages")
+    assert stub_log(job) == []
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    ({"ADAPTER_REPO": "you/LFM2.5-2.6B-opencode-lora-RL"}, "ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL must end "
+                                                            "with -smoke"),
+    ({"MAX_STEPS": "20"}, "MODE=smoke runs its budgeted plan (MAX_STEPS=6 SAVE_STEPS=2 EVAL_TASKS=4)"),
+    ({"MODE": "quick"}, "MODE='quick' is not one of train, smoke"),
+])
+def test_smoke_bad_input_stops_at_once(job, extra, message):
+    out = run_job(job, timeout=30, **{**SMOKE, **extra})
+    assert out.returncode != 0
+    errors = out.stderr.strip().splitlines()
+    assert len(errors) == 1 and message in errors[0], out.stderr
+    assert stub_log(job) == []
+
+
+def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
+    out = run_job(job, **SMOKE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    log = stub_log(job)
+    kinds = [line.split()[0] for line in log]
+    assert kinds == ["pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "smoke_report",
+                     "trainer", "trainer", "run_eval", "smoke_report"], log
+    assert log[8] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"
+    assert "STOP_AFTER_STEP=2" in log[9] and "STOP_AFTER_STEP=None" in log[10]
+    assert "EVAL_TASKS=4 training_vllm=down" in log[11]
+    steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",
+             "resume", "final-eval"]
+    assert log[12] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
+    assert "SMOKE REPORT: GO" in out.stdout
+    assert_no_leftovers(job["token"])
+
+
+def test_smoke_no_go_fails_the_job(job):
+    out = run_job(job, STUB_REPORT="NO-GO", **SMOKE)
+    assert out.returncode != 0 and "SMOKE REPORT: NO-GO" in out.stdout
+    assert "run_job: FAILED" in out.stdout
+
+
+def test_smoke_stage_past_the_deadline_is_stopped_and_still_reported(job):
+    out = run_job(job, STUB_TRAIN="stall", STALL_SECONDS="60", STUB_DEADLINE="3", STUB_REPORT="NO-GO", **SMOKE)
+    assert out.returncode != 0
+    assert "smoke deadline reached: trainer ran past the plan's budget" in out.stderr
+    report = stub_log(job)[-1]
+    assert report.startswith("smoke_report report ") and report.endswith("start:train")  # died in train: failed
+    assert not any(line.startswith("run_eval") for line in stub_log(job))
     assert_no_leftovers(job["token"])
 
 

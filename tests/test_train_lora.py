@@ -160,6 +160,8 @@ def test_dashboard_names_come_from_the_adapter_repo_and_the_job():
     ({"DEVICE": "tpu"}, "DEVICE='tpu' is not one of cuda, cpu"),
     ({"REPORT_TO": "wandb"}, "REPORT_TO='wandb' is not one of trackio, tensorboard, none"),
     ({"REPORT_TO": "tensorboard"}, "REPORT_TO=tensorboard: pip install tensorboard first"),  # not installed here
+    ({"STOP_AFTER_STEP": "5", "MAX_STEPS": "5"}, "STOP_AFTER_STEP=5 must be 0 (off) or a step below MAX_STEPS=5"),
+    ({"STOP_AFTER_STEP": "two"}, "STOP_AFTER_STEP='two' is not a whole number"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(env, message, monkeypatch, capsys):
     with pytest.raises(recipe.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -257,7 +259,7 @@ def test_real_trainer_and_config_from_the_builders(built):
     assert wrapped_modules(trainer.model) == wrapped_modules(get_peft_model(tiny_model()[0], train_lora.lora_config()))
     assert trainer.processing_class.response_template is not None
     assert [type(c).__name__ for c in trainer.callback_handler.callbacks if type(c).__module__ == "train_lora"] == [
-        "Heartbeat", "CheckpointPusher"]
+        "Heartbeat", "CheckpointPusher", "RunLog"]  # StopAfterStep only with STOP_AFTER_STEP
     # Dashboard: Trackio by default, one project per adapter repo, one run per job, a private live Space.
     assert args.report_to == ["trackio"] and args.project == REPO.split("/")[-1] and args.run_name.startswith("train-")
     assert (args.trackio_space_id, args.hub_private_repo, args.trackio_static_space_id) == (
@@ -439,8 +441,39 @@ def test_heartbeat_rewrites_its_file_every_step(tmp_path):
     assert (tmp_path / "deep" / "heartbeat").stat().st_mtime > 0
 
 
+def test_stop_after_step_saves_that_step_and_ends_training():
+    from transformers import TrainerControl, TrainerState
+
+    stop, control = train_lora.StopAfterStep(2), TrainerControl()
+    stop.on_step_end(None, TrainerState(global_step=1), control)
+    assert not control.should_save and not control.should_training_stop
+    stop.on_step_end(None, TrainerState(global_step=2), control)
+    assert control.should_save and control.should_training_stop
+    assert train_lora.settings_from_env({**BASE_ENV, "STOP_AFTER_STEP": "2", "MAX_STEPS": "6"}).stop_after_step == 2
+    assert train_lora.settings_from_env(BASE_ENV).stop_after_step == 0
+
+
+def test_run_log_keeps_every_start_and_logged_step_across_a_resume(tmp_path):
+    """train_log.json is what the smoke report reads: the second start must add to it, not replace it."""
+    from transformers import TrainerState
+
+    path = train_lora.train_log_path(tmp_path / "heartbeat")
+    first = train_lora.RunLog(path, resumed_from=None)
+    first.on_train_begin(None, TrainerState(global_step=0, max_steps=6), None)
+    first.on_log(None, TrainerState(global_step=1), None, logs={"loss": 0.1, "ratio": 0.999})
+    second = train_lora.RunLog(path, resumed_from=2)
+    second.on_train_begin(None, TrainerState(global_step=2, max_steps=6), None)
+    second.on_log(None, TrainerState(global_step=3), None, logs={"loss": 0.2, "perf/step_s": None})
+    doc = json.loads(path.read_text())
+    assert [(s["resumed_from"], s["global_step"], s["max_steps"]) for s in doc["starts"]] == [(None, 0, 6), (2, 2, 6)]
+    assert doc["logs"] == [{"start": 0, "step": 1, "loss": 0.1, "ratio": 0.999},
+                           {"start": 1, "step": 3, "loss": 0.2, "perf/step_s": None}]
+    assert path.parent == tmp_path and path.name == "train_log.json"
+
+
 def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
-    """Real optimizer steps through TRL's spawned rollout worker: push, heartbeat, final adapter, then resume."""
+    """Real optimizer steps through TRL's spawned rollout worker: push, heartbeat, a run stopped after step 2 (the
+    smoke run's first start: checkpoints pushed, no final adapter), then a resume that ends with the final adapter."""
     model_dir = save_tiny_model(tmp_path / "model")
     # Like the real checkpoint's, the template is not byte-equal to TRL's copy, so TRL's add_response_schema
     # would raise "Unrecognized chat template" in the rollout child unless train_lora sets the response template.
@@ -450,7 +483,8 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     # 4 groups finish per run: enough for 2 steps of 8 samples plus the dataloader's one-batch lookahead.
     factory = functools.partial(FakeSessionFactory, "http://env", rollout_budget=4 * recipe.NUM_GENERATIONS)
     transfer = NullWeightTransfer()
-    first = train_lora.settings_from_env(run_env(model_dir, tmp_path / "run1", MAX_STEPS="2", SAVE_STEPS="1"))
+    first = train_lora.settings_from_env(run_env(model_dir, tmp_path / "run1", MAX_STEPS="3", SAVE_STEPS="1",
+                                                 STOP_AFTER_STEP="2"))
     with cpu_trainer_shims():
         train_lora.train(first, factory=factory, weight_transfer=transfer, api=hub)
     files = hub.list_repo_files(REPO)
@@ -458,12 +492,9 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     for name in ("adapter_model.safetensors", "adapter_config.json", "trainer_state.json", "tokenizer.json",
                  "optimizer.pt", "rollout_state.json"):
         assert f"checkpoint-2/{name}" in files
-    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(files)  # Final at the root.
-    assert "training_args.bin" not in files and "optimizer.pt" not in files
+    assert "adapter_model.safetensors" not in files  # stopped before MAX_STEPS: no final adapter at the root
     assert Path(first.heartbeat_file).read_text().split()[0] == "2"
     assert len(transfer.syncs) == 3  # Cold sync plus one per optimizer step.
-    final = load_file(tmp_path / "hub" / REPO / "adapter_model.safetensors")
-    assert sum(t.numel() for t in final.values()) == train_lora.lora_param_count(tiny_model()[0].config)
 
     # The job dies while checkpoint-2 is half uploaded; the relaunch must resume from checkpoint-1.
     (tmp_path / "hub" / REPO / "checkpoint-2" / adapter_repo.COMPLETE_MARKER).unlink()
@@ -475,4 +506,9 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
         "Upload checkpoint-2", "Upload checkpoint-3", "Upload final adapter"]  # Steps 2 and 3 only: it resumed at 1.
     state = json.loads((tmp_path / "hub" / REPO / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
-    assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [1, 2, 3]
+    files = hub.list_repo_files(REPO)
+    assert adapter_repo.complete_checkpoints(files) == [1, 2, 3]
+    assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(files)  # Final at the root.
+    assert "training_args.bin" not in files and "optimizer.pt" not in files
+    final = load_file(tmp_path / "hub" / REPO / "adapter_model.safetensors")
+    assert sum(t.numel() for t in final.values()) == train_lora.lora_param_count(tiny_model()[0].config)

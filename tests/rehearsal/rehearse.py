@@ -17,7 +17,9 @@ what cannot exist on a CPU machine is substituted, each piece under tests/:
     GPU kernels           -> tests/trl_cpu_shims.py: sdpa attention, torch log-probs, no vLLM import check
 
 Prints a step table (reward mean, loss, importance-ratio mean, sync ms) and writes it to WORKDIR/report.json.
-Exits 1 if any sync left the server's weights different from the trainer's merged weights.
+Exits 1 if any sync left the server's weights different from the trainer's merged weights. With --smoke-report it
+ends as the smoke job does: smoke_report.py reads what the run left (train_log.json, rollouts.json, the checkpoints
+downloaded back from the hub double) and writes WORKDIR/smoke_report.json, pushed to the hub double; NO-GO exits 1.
 """
 
 from __future__ import annotations
@@ -46,13 +48,14 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 from hub_double import LocalHub  # noqa: E402
 from policy_server import PolicyServer  # noqa: E402
-from sessions import FAULTS, ScriptedAgentSessionFactory  # noqa: E402
+from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory  # noqa: E402
 from tiny_lfm2 import save_tiny_model  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 import adapter_repo  # noqa: E402
 import recipe  # noqa: E402
+import smoke_report  # noqa: E402
 import train_lora  # noqa: E402
 
 ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
@@ -60,6 +63,9 @@ ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
 PLACEHOLDER_TOKEN = "hf_rehearsal_placeholder"
 REHEARSAL_STEPS = 3
 REHEARSAL_SAVE_STEPS = 2
+# The tiny random model served in bf16 is not LFM2.5: its importance ratio is checked against this band, not the
+# recipe's 0.998-1.0 (tests/test_rehearsal.py asserts the same).
+REHEARSAL_RATIO_BAND = (0.9, 1.1)
 
 
 class StepLog(TrainerCallback):
@@ -192,6 +198,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="SIGKILL the rehearsal right after checkpoint-N is pushed (to rehearse resume)")
     parser.add_argument("--faults", default="", metavar="LIST",
                         help=f"fail the first rollouts, one per listed class: 'all' = {','.join(FAULTS)}")
+    parser.add_argument("--smoke-report", action="store_true",
+                        help="end as the smoke job does: smoke_report.json from what the run left (exit 1 on NO-GO)")
     return parser.parse_args(argv)
 
 
@@ -215,6 +223,9 @@ def main(argv: list[str] | None = None) -> int:
         resumable = (adapter_repo.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
         (workdir / "sandboxes").mkdir(exist_ok=True)
+        ledger = workdir / "rollouts.json"  # as run_job.sh does: a later start keeps the earlier start's counts
+        if ledger.is_file():
+            ledger.replace(workdir / f"rollouts.start-{len(list(workdir.glob('rollouts.*.json'))) + 1}.json")
         faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
         factory = functools.partial(ScriptedAgentSessionFactory, capture_url, llm_url=vllm_url,
                                     model=recipe.SERVED_MODEL_NAME, agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS,
@@ -243,6 +254,17 @@ def main(argv: list[str] | None = None) -> int:
         print(f"rehearse: {len(bad)} sync(s) left served weights != trainer's merged weights: "
               f"{bad[0].mismatched[:3]} (max |diff| {bad[0].max_abs_diff:g})", file=sys.stderr)
         return 1
+    if args.smoke_report:
+        stage = {"stage": "resume" if resumable else "train", "ok": True,
+                 "seconds": round(time.monotonic() - started), "note": f"trainer finished {args.max_steps} steps"}
+        pushed = smoke_report.checkpoint_steps(args.max_steps, args.save_steps)
+        expect = {"steps": args.max_steps, "checkpoints": pushed,
+                  "resume_at": resumable[-1] if resumable else None, "eval": False, "ratio": REHEARSAL_RATIO_BAND}
+        smoke = smoke_report.collect(hub, ADAPTER_REPO, workdir, [stage], expect, session_class=ScriptedAgentSession)
+        (workdir / smoke_report.REPORT_PATH).write_text(json.dumps(smoke, indent=1, sort_keys=True))
+        smoke_report.push(hub, ADAPTER_REPO, smoke)
+        print(smoke_report.render(smoke))
+        return 0 if smoke["verdict"] == "GO" else 1
     return 0
 
 

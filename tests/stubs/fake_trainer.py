@@ -16,7 +16,8 @@ import sys
 import time
 from pathlib import Path
 
-KEYS = ("CUDA_VISIBLE_DEVICES", "ADAPTER_REPO", "MAX_STEPS", "VLLM_URL", "ENV_URL", "CAPTURE_URL", "SANDBOX")
+KEYS = ("CUDA_VISIBLE_DEVICES", "ADAPTER_REPO", "MAX_STEPS", "VLLM_URL", "ENV_URL", "CAPTURE_URL", "SANDBOX",
+        "SAVE_STEPS", "STOP_AFTER_STEP", "OUTPUT_DIR")
 
 
 def main() -> None:

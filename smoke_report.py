@@ -1,0 +1,464 @@
+"""The smoke run's stage budget and its go/no-go report.
+
+    python3 smoke_report.py plan                        # stage budget vs SMOKE_TIMEOUT and the margin (JSON: --json)
+    python3 smoke_report.py clear                       # empty the -smoke repo before a smoke run (run_job.sh)
+    python3 smoke_report.py report --work-dir W --stages F   # one screen, smoke_report.json pushed; exit 1 on NO-GO
+
+The smoke run (run_job.sh MODE=smoke, `launch.py smoke`) is the user's one cheap contact with vLLM, HF Jobs' proxy,
+HF Sandboxes and the Hub before a 72-hour job: every stage of the real job at small scale. The report reads what the
+job left behind, never its log text: the stage times run_job.sh records, train_log.json (TRL's logged metrics per
+step, every trainer start), rollouts.json (rollout_guard's counts), the checkpoints downloaded back from the Hub
+(adapter_repo's verified download: marker, sizes), the eval results in the repo, and the installed versions.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterable
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import adapter_repo
+import recipe
+import rollout_guard
+
+REPORT_PATH = "smoke_report.json"
+SMOKE_SUFFIX = "-smoke"
+VERSIONED = ("vllm", "torch", "trl", "transformers", "peft", "openenv", "harbor")
+_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def seconds(duration: str) -> int:
+    """A Jobs timeout ("2h", "90m", "7200") in seconds."""
+    text = duration.strip().lower()
+    unit = _UNITS.get(text[-1:], None)
+    number = text[:-1] if unit else text
+    if not number.replace(".", "", 1).isdigit():
+        raise recipe.ConfigError(f"timeout {duration!r} is not a duration: use e.g. 2h, 90m or 7200")
+    return int(float(number) * (unit or 1))
+
+
+# --- The plan --------------------------------------------------------------------------------------------------------
+def checkpoint_steps(steps: int = recipe.SMOKE_STEPS, save_steps: int = recipe.SMOKE_SAVE_STEPS) -> list[int]:
+    """The checkpoint-N the smoke run pushes: every save_steps, and the last step (the trainer always saves it)."""
+    return sorted({*range(save_steps, steps + 1, save_steps), steps})
+
+
+def plan() -> dict[str, Any]:
+    """Each stage's budget from recipe.py, their sum against SMOKE_TIMEOUT, the margin, and the job's deadline.
+
+    Stage names are run_job.sh's step names, so the report can set each stage's time against its budget.
+    """
+    steps, resume_at = recipe.SMOKE_STEPS, recipe.SMOKE_SAVE_STEPS
+    pushed = checkpoint_steps()
+    before = [s for s in pushed if s <= resume_at]
+    start, step, push = recipe.SMOKE_TRAINER_START_S, recipe.SMOKE_STEP_S, recipe.SMOKE_PUSH_S
+    stages = [
+        ("job-start", recipe.SMOKE_JOB_START_S, "image pull, bundle download (before run_job.sh)"),
+        ("install", recipe.SMOKE_INSTALL_S, "pinned stack next to the image's vLLM and torch"),
+        ("prepare", recipe.SMOKE_PREPARE_S, "OpenEnv clone, seam check, train tasks"),
+        ("servers", recipe.SMOKE_SERVERS_S, "vLLM (GPU 1), env server, capture gateway"),
+        ("train", start + recipe.SMOKE_SLOW_GROUP_S + (resume_at - 1) * step + len(before) * push,
+         f"steps 1-{resume_at}: start, a whole slow first group, {resume_at - 1} more step(s), {len(before)} push(es)"),
+        ("resume", start + push + (steps - resume_at) * step + (len(pushed) - len(before) + 1) * push,
+         f"restart from checkpoint-{resume_at} on the Hub, steps {resume_at + 1}-{steps}, "
+         f"{len(pushed) - len(before)} pushes + final"),
+        ("final-eval", recipe.SMOKE_EVAL_SERVERS_S + recipe.SMOKE_EVAL_WAVE_S,
+         f"LoRA-mode vLLM, {recipe.SMOKE_EVAL_TASKS} test tasks x base/adapter"),
+        ("report", len(pushed) * push + recipe.SMOKE_REPORT_S,
+         f"{len(pushed)} checkpoints read back from the Hub, {REPORT_PATH} pushed"),
+    ]
+    cap = seconds(recipe.SMOKE_TIMEOUT)
+    total = sum(budget for _, budget, _ in stages)
+    return {
+        "cap_s": cap, "steps": steps, "save_steps": recipe.SMOKE_SAVE_STEPS, "resume_at": resume_at,
+        "checkpoints": pushed, "eval_tasks": recipe.SMOKE_EVAL_TASKS,
+        "stages": [{"stage": name, "budget_s": budget, "what": what} for name, budget, what in stages],
+        "total_s": total, "margin_s": cap - total, "margin_frac": round((cap - total) / cap, 3),
+        # run_job.sh's stages must end by then (from its own start), leaving the report its reserved time.
+        "deadline_s": cap - stages[0][1] - stages[-1][1],
+    }
+
+
+def render_plan(p: dict[str, Any]) -> str:
+    """The plan as the job and `launch.py smoke --dry-run` print it."""
+    lines = [f"smoke plan: {p['steps']} steps, checkpoints {p['checkpoints']}, resume from "
+             f"checkpoint-{p['resume_at']}, eval on {p['eval_tasks']} test tasks; cap {p['cap_s']} s"]
+    lines += [f"  {s['stage']:<11} {s['budget_s']:>5} s  {s['what']}" for s in p["stages"]]
+    lines.append(f"  {'total':<11} {p['total_s']:>5} s  margin {p['margin_s']} s ({p['margin_frac']:.0%} of the cap); "
+                 f"stages stop at +{p['deadline_s']} s so the report always lands")
+    return "\n".join(lines)
+
+
+# --- What the job left behind ----------------------------------------------------------------------------------
+# run_job.sh's steps, grouped into the plan's stages.
+STAGE_OF = {"preflight": "install", "openenv": "prepare", "seam-patch": "prepare", "tasks": "prepare",
+            "vllm": "servers", "env-server": "servers", "watchdog": "servers"}
+
+
+def read_stages(path: Path, now: float | None = None) -> list[dict[str, Any]]:
+    """run_job.sh's step records ("start NAME EPOCH" / "end NAME EPOCH NOTE") as the plan's stages: a step started
+    and never ended failed (the job died in it, or the smoke deadline stopped it), and so did its stage."""
+    stages: dict[str, dict[str, Any]] = {}
+    lines = path.read_text().splitlines() if path.is_file() else []
+    for line in lines:
+        kind, name, epoch, *note = line.split(" ", 3)
+        if kind == "start":
+            stages[name] = {"stage": name, "ok": False, "seconds": None, "note": "did not finish", "_t": float(epoch)}
+        elif kind == "end" and name in stages:
+            stages[name].update(ok=True, seconds=round(float(epoch) - stages[name]["_t"]), note=" ".join(note))
+    end = time.time() if now is None else now
+    grouped: dict[str, dict[str, Any]] = {}
+    for step in stages.values():
+        if step["seconds"] is None:
+            step["seconds"] = round(end - step["_t"])
+        name = STAGE_OF.get(step["stage"], step["stage"])
+        into = grouped.setdefault(name, {"stage": name, "ok": True, "seconds": 0, "note": ""})
+        into["seconds"] += step["seconds"]
+        if into["ok"]:  # the first failing step's note is the stage's
+            into["ok"], into["note"] = step["ok"], step["note"] if step["ok"] else f"{step['stage']}: {step['note']}"
+    return list(grouped.values())
+
+
+def _values(logs: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(e[key]) for e in logs if isinstance(e.get(key), (int, float)) and e[key] == e[key]]
+
+
+def ratio_band(expect: dict[str, Any]) -> tuple[float, float]:
+    """The importance-ratio band a run must stay in: the recipe's 0.998-1.0 with bf16's tolerance either side,
+    unless `expect` names another (the CPU rehearsal's tiny random model is not the real one)."""
+    tolerance = recipe.RATIO_TOLERANCE
+    low, high = expect.get("ratio") or (recipe.RATIO_MIN - tolerance, recipe.RATIO_MAX + tolerance)
+    return float(low), float(high)
+
+
+def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
+    """Steps, step time, importance ratio, sync time and fused tensors from train_log.json: TRL's metrics and
+    run_metrics' (`ratio/sample_min|max`, the per-sample range; TRL's step mean `ratio` where those are missing)."""
+    logs = [e for e in (train_log or {}).get("logs", []) if "loss" in e or "ratio" in e]
+    low, high = _values(logs, "ratio/sample_min"), _values(logs, "ratio/sample_max")
+    if not (low and high):
+        low = high = _values(logs, "ratio")
+    step_s = _values(logs, "perf/step_s")
+    sync_ms = [v * 1000 for v in _values(logs, "perf/weight_sync_s")]
+    fused = _values(logs, "perf/weight_sync_fused_tensors")
+    fork = _values(logs, "rollout/fork_frac")
+    return {
+        "steps_done": max((int(e["step"]) for e in logs), default=0),
+        "step_s": {"median": statistics.median(step_s), "max": max(step_s)} if step_s else None,
+        "ratio": {"min": min(low), "max": max(high)} if low and high else None,
+        "sync_ms": {"median": statistics.median(sync_ms), "max": max(sync_ms)} if sync_ms else None,
+        # Tensors the last sync sent through the checked fused kernel (0: cuBLAS's path only, e.g. on CPU).
+        "fused_tensors": int(fused[-1]) if fused else None,
+        "fork_frac": statistics.fmean(fork) if fork else None,
+    }
+
+
+def resume(train_log: dict[str, Any] | None, at: int) -> dict[str, Any]:
+    """Whether the last trainer start resumed from checkpoint-`at` rather than restarting: its state began at step
+    `at` and the first step it logged was `at` + 1."""
+    starts = (train_log or {}).get("starts", [])
+    if len(starts) < 2:
+        return {"verified": False, "why": f"{len(starts)} trainer start(s) recorded, the smoke run makes 2"}
+    last = starts[-1]
+    own = [int(e["step"]) for e in train_log["logs"] if e.get("start") == len(starts) - 1 and "loss" in e]
+    first = min(own, default=None)
+    ok = last.get("resumed_from") == at and last.get("global_step") == at and first == at + 1
+    why = (f"resumed_from {last.get('resumed_from')}, state began at step {last.get('global_step')}, "
+           f"first step trained {first}")
+    return {"verified": ok, "from": last.get("resumed_from"), "why": why}
+
+
+def verify_checkpoints(api: Any, repo_id: str, steps: Iterable[int], work: Path) -> list[dict[str, Any]]:
+    """Each checkpoint downloaded back from the Hub and checked against its marker (adapter_repo's verified download,
+    the one resume uses), and its trainer state saying that step."""
+    found = []
+    for step in steps:
+        entry: dict[str, Any] = {"step": step, "verified": False, "files": 0, "bytes": 0, "error": None}
+        try:
+            local = adapter_repo.download_checkpoint(api, repo_id, step, work)
+            files = [p for p in local.rglob("*") if p.is_file()]
+            state = json.loads((local / "trainer_state.json").read_text())
+            entry.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
+            if state.get("global_step") != step:
+                entry["error"] = f"trainer_state.json says step {state.get('global_step')}"
+            else:
+                entry["verified"] = True
+        except Exception as error:  # noqa: BLE001 - any failure to read it back is this checkpoint's finding
+            entry["error"] = f"{type(error).__name__}: {str(error).splitlines()[0][:200] if str(error) else ''}"
+        found.append(entry)
+    return found
+
+
+def evaluation(doc: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Cells and pass@1 of each side from eval_adapter's results document (None if it never landed)."""
+    if not doc:
+        return None
+    summary = doc.get("summary") or {}
+    sides = {side: {k: (summary.get(side) or {}).get(k) for k in ("tasks", "scored", "correct", "unscorable",
+                                                                    "pass_at_1")} for side in ("base", "adapter")}
+    return {"complete": bool(doc.get("complete")), "cells": len(doc.get("cells", [])),
+            "tasks": len(doc.get("tasks", [])), **sides}
+
+
+def versions(openenv_dir: Path | None, session_class: Any = None) -> dict[str, Any]:
+    """What is installed, the OpenEnv commit checked out, and whether its HarborSession has fetch_training_trace."""
+    found: dict[str, Any] = {}
+    for name in VERSIONED:
+        try:
+            found[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            found[name] = None
+    commit = None
+    if openenv_dir is not None and (openenv_dir / ".git").exists():
+        out = subprocess.run(["git", "-C", str(openenv_dir), "rev-parse", "HEAD"], capture_output=True, text=True,
+                             check=False)
+        commit = out.stdout.strip() or None
+    found["openenv_commit"] = commit
+    if session_class is None:
+        try:
+            from harbor_env.harness import HarborSession as session_class
+        except Exception:  # noqa: BLE001 - not importable is what the report says
+            session_class = None
+    found["fetch_training_trace"] = callable(getattr(session_class, "fetch_training_trace", None))
+    return found
+
+
+def watcher(files: Iterable[str]) -> dict[str, Any]:
+    """What the eval-watch smoke job (its own launch) has put in the repo so far: informational, not in the verdict."""
+    done = adapter_repo.watched_checkpoints(files)
+    return {"evaluated": sorted(done), "summary": adapter_repo.SUMMARY_PATH in set(files)}
+
+
+# --- The verdict -----------------------------------------------------------------------------------------------
+def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
+    """Every reason the run is NO-GO (empty = GO). `expect`: steps, checkpoints, resume_at (or None), eval (bool)."""
+    reasons = [f"stage {s['stage']} failed after {s['seconds']} s: {s['note']}"
+               for s in report["stages"] if not s["ok"]]
+    train = report["training"]
+    if train["steps_done"] < expect["steps"]:
+        reasons.append(f"{train['steps_done']} of {expect['steps']} steps done")
+    ratio = train["ratio"]
+    low, high = ratio_band(expect)
+    if ratio is None:
+        reasons.append("no importance ratio logged: no step trained")
+    elif ratio["min"] < low or ratio["max"] > high:
+        reasons.append(f"importance ratio {ratio['min']:.4f}-{ratio['max']:.4f} outside {low:.4f}-{high:.4f}: "
+                       "trainer and vLLM disagree on the policy (sampling, dtype or weight sync)")
+    verified = {c["step"] for c in report["checkpoints"] if c["verified"]}
+    for c in report["checkpoints"]:
+        if not c["verified"]:
+            reasons.append(f"checkpoint-{c['step']} not readable back from the Hub: {c['error']}")
+    missing = sorted(set(expect["checkpoints"]) - verified - {c["step"] for c in report["checkpoints"]})
+    reasons += [f"checkpoint-{s} was never checked" for s in missing]
+    if expect.get("resume_at") and not report["resume"]["verified"]:
+        reasons.append(f"resume from checkpoint-{expect['resume_at']} not verified: {report['resume']['why']}")
+    rollouts = report["rollouts"]
+    if rollouts is None:
+        reasons.append("no rollout counts (rollouts.json missing): the rollout worker never finished a rollout")
+    else:
+        if rollouts.get("stopped"):
+            reasons.append(f"rollout guard stopped the run: {rollouts['stopped']}")
+        if not rollouts.get("scored"):
+            reasons.append("no rollout was scored")
+    if expect.get("eval"):
+        ev = report["eval"]
+        if ev is None or not ev["complete"]:
+            reasons.append("final eval on the subset did not complete")
+        else:
+            reasons += [f"eval: no {side} cell was scored" for side in ("base", "adapter") if not ev[side]["scored"]]
+    if not report["versions"]["fetch_training_trace"]:
+        reasons.append("OpenEnv's HarborSession has no fetch_training_trace() (TRL 1.15 needs it)")
+    return reasons
+
+
+def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger: dict[str, Any] | None,
+          checkpoints: list[dict[str, Any]], eval_doc: dict[str, Any] | None, found_versions: dict[str, Any],
+          expect: dict[str, Any], repo_files: Iterable[str] = ()) -> dict[str, Any]:
+    """The report document: every section, then the verdict and its reasons."""
+    budgets = {s["stage"]: s["budget_s"] for s in plan()["stages"]}
+    report: dict[str, Any] = {
+        "schema": 1, "created": time.time(), "expect": expect,
+        "stages": [{**s, "budget_s": budgets.get(s["stage"])} for s in stages],
+        "training": training(train_log),
+        "rollouts": None if ledger is None else {k: ledger.get(k) for k in (
+            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "stopped")},
+        "checkpoints": checkpoints,
+        "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
+        "eval": evaluation(eval_doc),
+        "watcher": watcher(repo_files),
+        "versions": found_versions,
+    }
+    report["training"]["fork_frac_logged"] = report["training"]["fork_frac"] is not None
+    report["training"]["ratio_band"] = list(ratio_band(expect))
+    reasons = assess(report, expect)
+    report["verdict"], report["reasons"] = ("NO-GO" if reasons else "GO"), reasons
+    return report
+
+
+def render(report: dict[str, Any]) -> str:
+    """One screen for the job log."""
+    def num(value: Any, spec: str = ".0f") -> str:
+        return "-" if value is None else format(value, spec)
+
+    t, r = report["training"], report["rollouts"] or {}
+    lines = ["=" * 78, f"SMOKE REPORT: {report['verdict']}", "-" * 78]
+    for s in report["stages"]:
+        lines.append(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['stage']:<11} {s['seconds']:>5} s"
+                     f" (budget {num(s['budget_s'])} s)  {s['note'][:40]}")
+    step_s, sync = t["step_s"] or {}, t["sync_ms"] or {}
+    ratio, fused = t["ratio"], t["fused_tensors"]
+    lines += [
+        f"  steps {t['steps_done']}/{report['expect']['steps']}; step time median {num(step_s.get('median'), '.1f')} s,"
+        f" max {num(step_s.get('max'), '.1f')} s",
+        f"  rollouts {num(r.get('rollouts'))} finished, {num(r.get('scored'))} scored, {num(r.get('timed_out'))} timed "
+        f"out, {num(r.get('unscorable_total'))} unscorable {json.dumps(r.get('unscorable'))}; fork_frac "
+        f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}",
+        f"  importance ratio {num(ratio and ratio['min'], '.4f')}-{num(ratio and ratio['max'], '.4f')} (band "
+        f"{t['ratio_band'][0]:.4f}-{t['ratio_band'][1]:.4f}); sync median {num(sync.get('median'), '.1f')} ms, max "
+        f"{num(sync.get('max'), '.1f')} ms; fused tensors {num(fused)}",
+        "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])
+        + "; resume " + (report["resume"].get("why") or "not part of this run"),
+    ]
+    ev = report["eval"]
+    if ev:
+        lines.append(f"  eval {ev['cells']} cells on {ev['tasks']} tasks; pass@1 base "
+                     f"{num(ev['base']['pass_at_1'], '.2f')} ({ev['base']['scored']} scored), adapter "
+                     f"{num(ev['adapter']['pass_at_1'], '.2f')} ({ev['adapter']['scored']} scored)")
+    else:
+        lines.append("  eval: no results")
+    v = report["versions"]
+    lines.append("  " + ", ".join(f"{k} {v[k] or '-'}" for k in VERSIONED))
+    lines.append(f"  OpenEnv {v['openenv_commit'] or '-'}; fetch_training_trace "
+                 f"{'present' if v['fetch_training_trace'] else 'ABSENT'}")
+    lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]
+    lines.append("=" * 78)
+    return "\n".join(lines)
+
+
+def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
+    """smoke_report.json at the repo root, one commit (adapter_repo's retries)."""
+    from huggingface_hub import CommitOperationAdd
+
+    data = json.dumps(report, indent=1, sort_keys=True).encode()
+    adapter_repo.commit(api, repo_id, [CommitOperationAdd(path_in_repo=REPORT_PATH, path_or_fileobj=data)],
+                        f"smoke: {REPORT_PATH} ({report['verdict']})")
+
+
+def clear(api: Any, repo_id: str) -> int:
+    """Delete an earlier smoke run's files, so this run's checkpoints, resume and eval are its own (-smoke only)."""
+    from huggingface_hub import CommitOperationDelete
+
+    if not repo_id.endswith(SMOKE_SUFFIX):
+        raise recipe.ConfigError(f"ADAPTER_REPO={repo_id} does not end with {SMOKE_SUFFIX}: a smoke run empties its "
+                                 f"repo first, so it runs only on one (launch.py smoke adds {SMOKE_SUFFIX})")
+    api.create_repo(repo_id, private=True, exist_ok=True)
+    stale = [f for f in api.list_repo_files(repo_id) if f != ".gitattributes"]
+    if stale:
+        adapter_repo.commit(api, repo_id, [CommitOperationDelete(path_in_repo=f) for f in stale],
+                            "smoke: clear the previous smoke run")
+    return len(stale)
+
+
+def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """rollout_guard's counts summed over trainer starts (each start's rollout child begins a new ledger)."""
+    if not ledgers:
+        return None
+    total: dict[str, Any] = {k: sum(d.get(k) or 0 for d in ledgers)
+                             for k in ("rollouts", "scored", "timed_out", "unscorable_total")}
+    total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers)
+                           for c in rollout_guard.FAILURE_CLASSES}
+    total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
+    return total
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]], expect: dict[str, Any], *,
+            openenv_dir: Path | None = None, session_class: Any = None) -> dict[str, Any]:
+    """Everything the job left in `work_dir` (heartbeat, rollouts.json, train_log.json) and in the repo."""
+    heartbeat = work_dir / "heartbeat"
+    with tempfile.TemporaryDirectory() as tmp:
+        checkpoints = verify_checkpoints(api, repo_id, expect["checkpoints"], Path(tmp))
+    try:
+        files = api.list_repo_files(repo_id)
+        eval_doc = adapter_repo.read_json(api, repo_id, adapter_repo.full_results_path(adapter_repo.FINAL))
+    except Exception:  # noqa: BLE001 - an unreadable repo shows as failed checkpoints and no eval
+        files, eval_doc = [], None
+    ledger = rollout_guard.ledger_path(heartbeat)  # the last start's; earlier ones kept as rollouts.<start>.json
+    paths = [*sorted(work_dir.glob(f"{ledger.stem}.*{ledger.suffix}")), ledger]
+    ledgers = [rollout_guard.read_ledger(p) for p in paths]
+    return build(stages, _read_json(heartbeat.with_name("train_log.json")),
+                 merge_ledgers([d for d in ledgers if d]), checkpoints,
+                 eval_doc if expect.get("eval") else None, versions(openenv_dir, session_class), expect, files)
+
+
+def expect_smoke() -> dict[str, Any]:
+    """What a smoke job must have done (its plan)."""
+    p = plan()
+    return {"steps": p["steps"], "checkpoints": p["checkpoints"], "resume_at": p["resume_at"], "eval": True}
+
+
+def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    show = sub.add_parser("plan", help="print the stage budget")
+    show.add_argument("--json", action="store_true")
+    show.add_argument("--deadline", action="store_true", help="print only the seconds run_job.sh's stages may take")
+    sub.add_parser("clear", help="empty the -smoke ADAPTER_REPO before a smoke run")
+    rep = sub.add_parser("report", help="build, print and push the go/no-go report; exit 1 on NO-GO")
+    rep.add_argument("--work-dir", type=Path, required=True, help="run_job.sh's WORK_DIR")
+    rep.add_argument("--stages", type=Path, required=True, help="run_job.sh's stage records")
+    args = parser.parse_args(argv)
+    if args.command == "plan":
+        print(plan()["deadline_s"] if args.deadline else json.dumps(plan(), indent=1) if args.json
+              else render_plan(plan()))
+        return 0
+    try:
+        repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO")
+        token = recipe.require_token()
+    except recipe.ConfigError as error:
+        print(f"smoke_report: {error}", file=sys.stderr)
+        return 2
+    if make_api is None:
+        from huggingface_hub import HfApi
+
+        def make_api(tok: str) -> Any:
+            return HfApi(token=tok)
+
+    api = make_api(token)
+    if args.command == "clear":
+        try:
+            print(f"smoke_report: cleared {clear(api, repo_id)} files of the previous smoke run from {repo_id}")
+        except (recipe.ConfigError, adapter_repo.PushError) as error:
+            print(f"smoke_report: {error}", file=sys.stderr)
+            return 2
+        return 0
+    report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(),
+                     openenv_dir=args.work_dir / "OpenEnv")
+    (args.work_dir / REPORT_PATH).write_text(json.dumps(report, indent=1, sort_keys=True))
+    print(render(report), flush=True)
+    try:
+        push(api, repo_id, report)
+        print(f"smoke_report: {REPORT_PATH} pushed to {repo_id}")
+    except adapter_repo.PushError as error:
+        print(f"smoke_report: {error}; the report is in {args.work_dir / REPORT_PATH}", file=sys.stderr)
+        return 1
+    return 0 if report["verdict"] == "GO" else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
