@@ -72,6 +72,10 @@ class LocalHub:
         info = DatasetInfo if repo_type == "dataset" else ModelInfo
         return info(id=repo_id, sha=self.head(repo_id), private=True)
 
+    def model_info(self, repo_id: str, *, revision: str | None = None) -> ModelInfo:
+        self._repo(repo_id)
+        return ModelInfo(id=repo_id, sha=self.head(repo_id), private=True)
+
     def head(self, repo_id: str) -> str:
         """The repo's head commit id: a 40-hex id that changes with every commit."""
         return hashlib.sha1(f"{repo_id}@{self._heads.get(repo_id, 0)}".encode()).hexdigest()

@@ -89,6 +89,7 @@ def calls(hub: LocalHub, tmp_path: Path) -> dict[str, object]:
     out["upload_file"] = hub.upload_file(path_or_fileobj=b"1", path_in_repo="y.txt", repo_id=REPO)
     out["upload_folder"] = hub.upload_folder(repo_id=REPO, folder_path=tmp_path / "folder", path_in_repo="f")
     out["repo_info"] = hub.repo_info(REPO)
+    out["model_info"] = hub.model_info(REPO, revision="main")
     out["list_repo_files"] = hub.list_repo_files(REPO)
     out["file_exists"] = hub.file_exists(REPO, "x.json")
     out["hf_hub_download"] = hub.hf_hub_download(REPO, "x.json", local_dir=tmp_path / "dl")
