@@ -7,6 +7,7 @@ sessions are stand-ins (`tests/fake_sessions.py`, each saying which real code it
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -125,7 +126,8 @@ def test_systematic_failure_stops_the_worker_with_one_line_naming_class_and_erro
     try:
         stopped = loop._failed_event.wait(timeout=60)
     finally:
-        loop._loop.call_soon_threadsafe(loop._stop_event.set)
+        with contextlib.suppress(RuntimeError):  # "Event loop is closed": the loop already stopped on its own
+            loop._loop.call_soon_threadsafe(loop._stop_event.set)
         thread.join(timeout=30)
     assert stopped, "the rollout loop kept scoring failed rollouts as unscorable and never stopped"
     type_name, message, _ = loop._exception_info_queue.get_nowait()  # what the trainer's check_health raises
