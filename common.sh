@@ -10,14 +10,30 @@ declare -a CHILD_PIDS=()
 log() { printf '[%s] %s\n' "$(date -u +%H:%M:%S)" "$*"; }
 die() { printf '[%s] ERROR: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; exit 1; }
 
-# Prints one knob from recipe.py (the single source of truth for numbers).
-recipe() { "$PYTHON" "$HERE/recipe.py" "$@"; }
+# Every knob of recipe.py (the single source of truth for numbers), read once when this file is sourced: one
+# Python start per script instead of one per knob (a job start used to make dozens).
+declare -A RECIPE_KNOBS=()
+load_recipe() {
+  local out line
+  out="$("$PYTHON" "$HERE/recipe.py" --all 2>&1)" \
+    || die "recipe.py did not answer${out:+ ($(tail -n 1 <<<"$out"))}: run from the bundle folder with python3 >= 3.12"
+  while IFS= read -r line; do RECIPE_KNOBS["${line%%=*}"]="${line#*=}"; done <<<"$out"
+}
+
+# recipe NAME...: prints each knob, one per line, as `python3 recipe.py NAME...` does; an unknown name fails.
+recipe() {
+  local name
+  for name in "$@"; do
+    [[ -v "RECIPE_KNOBS[$name]" ]] || { printf 'recipe.py: unknown knob %s\n' "$name" >&2; return 1; }
+    printf '%s\n' "${RECIPE_KNOBS[$name]}"
+  done
+}
 
 # env_knobs NAME...: checks each knob with recipe.py's check (the one launch.py and the Python side run) and sets
 # it to the checked value (flags become 1 or 0; unset or empty: the recipe default); a bad one stops here with its fix.
 env_knobs() {
   local out line
-  out="$(recipe --env "$@" 2>&1)" || die "$(tail -n 1 <<<"$out")"
+  out="$("$PYTHON" "$HERE/recipe.py" --env "$@" 2>&1)" || die "$(tail -n 1 <<<"$out")"
   while IFS= read -r line; do printf -v "${line%%=*}" '%s' "${line#*=}"; done <<<"$out"
 }
 
@@ -235,4 +251,5 @@ begin_job() {
   if dry_run; then log "DRY_RUN=1: printing the plan; nothing is installed or started"; fi
 }
 
+load_recipe
 env_knobs DRY_RUN

@@ -588,10 +588,11 @@ def main() -> None:
     checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
     concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
     n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
+    token = recipe.require_token()  # before eval_sampling(): OpenEnv's import takes seconds, a missing token none
     eval_sampling()
     from huggingface_hub import HfApi
 
-    api = HfApi(token=recipe.require_token())
+    api = HfApi(token=token)
     factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
     tasks = factory.tasks()
     if len(tasks) != recipe.TEST_TASKS:

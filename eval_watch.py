@@ -320,10 +320,11 @@ def main() -> None:
     concurrency = recipe.knob("EVAL_CONCURRENCY")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
+    token = recipe.require_token()  # before eval_sampling(): OpenEnv's import takes seconds, a missing token none
     eval_sampling()
     from huggingface_hub import HfApi
 
-    api = HfApi(token=recipe.require_token())
+    api = HfApi(token=token)
     wait_for_repo(api, repo_id, max_idle_s)
     factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
     tasks = factory.tasks()

@@ -14,7 +14,6 @@ import os
 import re
 import sys
 from collections.abc import Callable, Mapping
-from importlib import metadata
 from pathlib import Path
 from typing import Any
 
@@ -394,6 +393,8 @@ def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
 
 def check_versions(names: tuple[str, ...] = ("trl", "transformers"), path: Path = REQUIREMENTS) -> None:
     """Raise ConfigError if an installed package is outside the pinned version window."""
+    from importlib import metadata  # here, not at the top: it was two thirds of every shell script's recipe.py call
+
     from packaging.specifiers import SpecifierSet
 
     pins = pinned_versions(path)
@@ -419,13 +420,23 @@ def _print_env_knobs(names: list[str]) -> None:
     print("\n".join(lines))
 
 
+def _shell_knobs() -> dict[str, str]:
+    """Every knob a shell script may read (upper-case scalars and tuples), as text: tuples comma-joined."""
+    return {name: ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
+            for name, value in globals().items()
+            if name.isupper() and not name.startswith("_") and isinstance(value, (str, int, float, tuple))}
+
+
 if __name__ == "__main__":
     if sys.argv[1:2] == ["--env"]:
         _print_env_knobs(sys.argv[2:])
         sys.exit(0)
+    shell_knobs = _shell_knobs()
+    if sys.argv[1:] == ["--all"]:  # NAME=value per line: common.sh reads every knob in one Python start
+        print("\n".join(f"{name}={value}" for name, value in shell_knobs.items()))
+        sys.exit(0)
     # `python3 recipe.py NAME [NAME ...]` prints each knob, one per line (for shell scripts).
     for name in sys.argv[1:]:
-        value = globals().get(name)
-        if not isinstance(value, (str, int, float, tuple)) or name.startswith("_") or not name.isupper():
+        if name not in shell_knobs:
             sys.exit(f"recipe.py: unknown knob {name!r}")
-        print(",".join(map(str, value)) if isinstance(value, tuple) else value)
+        print(shell_knobs[name])

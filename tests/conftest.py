@@ -1,16 +1,19 @@
-"""Session-wide settings: Trackio logs into a throw-away folder and never to a Space or server; and the
-groups pytest-xdist runs the suite in (`-n 2 --dist loadgroup`, set in pyproject.toml).
+"""Session-wide settings: Trackio logs into a throw-away folder and never to a Space or server; one torch thread
+per process; and the order pytest-xdist hands the modules out in (`-n 2 --dist loadscope`, set in pyproject.toml).
 
 Trackio reads TRACKIO_DIR once, when first imported (TRL imports it with its async GRPO trainer), so it is set
 here, before any test module is collected; the rehearsal subprocesses inherit it (each xdist worker has its own).
 
-Each module is one xdist group by default, so its module-scoped set-ups (tiny models, the vLLM child process,
-the built trainer) run once, as they do without xdist. The rehearsal runs (tests calling `run_rehearsal`) share
-one group of their own: each keeps both cores busy, so two at once would only slow each other past their
-timeouts; they run one after the other on one worker while the other worker takes the rest. A test may name
-its own group with `@pytest.mark.xdist_group(...)`. The longest groups go first (the order xdist hands them
-out, with `--no-loadscope-reorder`), so no worker starts one near the end. Without xdist (`-n 0`) the same
-order holds and nothing else changes.
+Torch runs one intra-op thread per process (OMP_NUM_THREADS=1, inherited by every child the tests start): the
+tiny models gain nothing from a second thread, and on a 2-core machine running two workers plus the rehearsal's
+processes, OpenMP's spinning threads only fight each other (a rehearsal run took 170 s with the default, 94 s
+with one thread).
+
+`--dist loadscope` keeps each module on one worker, so its module-scoped set-ups (tiny models, the vLLM child
+process, the built trainer) run once, as they do without xdist (tests/test_foundation.py checks it). Not
+`loadgroup`: on pytest 9.2 it no longer groups anything (pytest-dev/pytest-xdist#1386). The slowest modules go
+first (the order xdist hands scopes out, with `--no-loadscope-reorder`), so no worker starts one near the end.
+Without xdist (`-n 0`) the same order holds and nothing else changes.
 """
 
 from __future__ import annotations
@@ -26,23 +29,13 @@ os.environ["TRACKIO_DIR"] = tempfile.mkdtemp(prefix="trackio-tests-")
 atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 for name in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
     os.environ.pop(name, None)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-REHEARSAL_GROUP = "rehearsal-runs"
-TRAIN_RUN_GROUP = "train-run"  # test_train_lora.py's real training run, apart from that module's quick tests
-LONGEST_FIRST = (REHEARSAL_GROUP, TRAIN_RUN_GROUP)
-
-
-def group_of(item: pytest.Item) -> str:
-    marker = item.get_closest_marker("xdist_group")
-    return marker.args[0] if marker and marker.args else marker.kwargs.get("name", "") if marker else ""
+# Measured with `--durations=0` on a 2-core machine; the rest keep their collection order after these.
+SLOWEST_FIRST = ("test_rehearsal", "test_run_job", "test_eval_adapter", "test_benchmark_tiny", "test_train_lora",
+                 "test_servers", "test_vllm_cpu", "test_eval_watch", "test_weight_sync", "test_launch")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    for item in items:
-        if item.get_closest_marker("xdist_group"):
-            continue
-        function = getattr(item, "function", None)
-        uses_rehearsal = function is not None and "run_rehearsal" in function.__code__.co_names
-        item.add_marker(pytest.mark.xdist_group(REHEARSAL_GROUP if uses_rehearsal else item.module.__name__))
-    rank = {name: n for n, name in enumerate(LONGEST_FIRST)}
-    items.sort(key=lambda item: rank.get(group_of(item), len(rank)))  # stable: the rest keep their order
+    rank = {name: n for n, name in enumerate(SLOWEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.module.__name__.rsplit(".", 1)[-1], len(rank)))  # stable

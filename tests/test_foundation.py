@@ -79,6 +79,19 @@ def test_recipe_cli_prints_knobs_for_shell_scripts() -> None:
     assert bad.returncode != 0 and "unknown knob 'os'" in bad.stderr
 
 
+def test_common_sh_reads_every_knob_once_and_answers_as_recipe_py_does() -> None:
+    """common.sh loads `recipe.py --all` when sourced; its `recipe` function then answers without Python, the same
+    lines `recipe.py NAME...` prints, and fails on a name recipe.py does not know."""
+    names = ["MAX_TOKENS", "LORA_TARGET_MODULES", "OPENENV_GIT", "PIP_CHECK_ACCEPTED", "TEMPERATURE"]
+    direct = subprocess.run([sys.executable, "recipe.py", *names], cwd=ROOT, capture_output=True, text=True,
+                            check=True).stdout
+    script = f'source common.sh; recipe {" ".join(names)}; recipe os || echo "refused: $?"'
+    env = {**os.environ, "PYTHON": sys.executable, "DRY_RUN": "1"}
+    out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    assert out.stdout == direct + "refused: 1\n", out.stderr
+    assert "unknown knob os" in out.stderr
+
+
 def test_lora_targets_leave_the_short_conv_alone() -> None:
     assert "out_proj" not in recipe.LORA_TARGET_MODULES  # a bare suffix would also wrap conv.out_proj
     assert "self_attn.out_proj" in recipe.LORA_TARGET_MODULES
@@ -99,6 +112,27 @@ def test_ci_runs_exactly_the_readme_commands() -> None:
     ]
     assert ci == readme_commands()
     assert len(ci) == 2
+
+
+def test_the_suite_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
+    """pyproject.toml's xdist options, run on two throw-away modules: each module's tests on one worker (its
+    module-scoped set-ups once), both workers used. `--dist loadgroup` stopped grouping on pytest 9.2 without a
+    word (pytest-dev/pytest-xdist#1386) and the vLLM child ran twice per suite; this is what would have said so."""
+    import tomllib
+
+    addopts = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["pytest"]["ini_options"]["addopts"]
+    (tmp_path / "pytest.ini").write_text(f"[pytest]\naddopts = {addopts}\n")
+    for module in ("a", "b"):
+        (tmp_path / f"test_{module}.py").write_text(
+            "import os, pytest\n"
+            "@pytest.mark.parametrize('n', range(6))\n"
+            "def test_n(n):\n"
+            f"    with open('{module}.log', 'a') as f: f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-2000:]
+    workers = {module: set((tmp_path / f"{module}.log").read_text().split()) for module in ("a", "b")}
+    assert all(len(w) == 1 for w in workers.values()) and workers["a"] != workers["b"], workers
 
 
 def test_ruff_is_clean() -> None:

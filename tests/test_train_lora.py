@@ -185,8 +185,10 @@ def test_dry_run_needs_no_token_but_a_real_run_does(monkeypatch, capsys):
 
 @pytest.mark.parametrize(("package", "installed"), [("trl", "1.16.0"), ("transformers", "5.18.0")])
 def test_wrong_library_version_stops_before_anything_loads(package, installed, monkeypatch, capsys):
-    real_version = recipe.metadata.version
-    monkeypatch.setattr(recipe.metadata, "version", lambda name: installed if name == package else real_version(name))
+    from importlib import metadata
+
+    real_version = metadata.version
+    monkeypatch.setattr(metadata, "version", lambda name: installed if name == package else real_version(name))
     monkeypatch.setattr(os, "environ", dict(BASE_ENV))
     assert train_lora.main(["--dry-run"]) == 2
     err = capsys.readouterr().err
@@ -471,7 +473,6 @@ def test_run_log_keeps_every_start_and_logged_step_across_a_resume(tmp_path):
     assert path.parent == tmp_path and path.name == "train_log.json"
 
 
-@pytest.mark.xdist_group("train-run")  # tests/conftest.py: its own xdist group, started first
 def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     """Real optimizer steps through TRL's spawned rollout worker: push, heartbeat, a run stopped after step 2 (the
     smoke run's first start: checkpoints pushed, no final adapter), then a resume that ends with the final adapter."""

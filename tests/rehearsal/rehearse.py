@@ -40,21 +40,24 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import httpx
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-
+# One torch thread per process (this one, TRL's rollout child, the capture proxy), set before torch loads: the tiny
+# model gains nothing from more, and OpenMP's spinning threads made a run take 170 s instead of 94 s on 2 cores.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
+import httpx  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
 from policy_server import PolicyServer  # noqa: E402
 from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory  # noqa: E402
 from tiny_lfm2 import save_tiny_model  # noqa: E402
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 import adapter_repo  # noqa: E402
 import recipe  # noqa: E402
+import rollout_guard  # noqa: E402
 import smoke_report  # noqa: E402
 import train_lora  # noqa: E402
 
@@ -66,6 +69,7 @@ REHEARSAL_SAVE_STEPS = 2
 # The tiny random model served in bf16 is not LFM2.5: its importance ratio is checked against this band, not the
 # recipe's 0.998-1.0 (tests/test_rehearsal.py asserts the same).
 REHEARSAL_RATIO_BAND = (0.9, 1.1)
+FAULTS_SETTLE_S = 120  # how long --crash-after-checkpoint waits for the injected faults to reach the ledger
 
 
 class StepLog(TrainerCallback):
@@ -114,16 +118,27 @@ class StepLog(TrainerCallback):
 
 
 class CrashingHub(LocalHub):
-    """LocalHub that kills the rehearsal (and the processes it started) right after checkpoint-N is pushed."""
+    """LocalHub that kills the rehearsal (and the processes it started) right after checkpoint-N is pushed.
 
-    def __init__(self, root: Path, crash_after: int, proxy: subprocess.Popen) -> None:
+    With faults injected it first waits (up to FAULTS_SETTLE_S) until the rollout guard's ledger counts all of
+    them, so that a killed run's ledger always holds every injected failure, whatever order rollouts finished in.
+    """
+
+    def __init__(self, root: Path, crash_after: int, proxy: subprocess.Popen, ledger: Path, faults: int) -> None:
         super().__init__(root)
         self.marker = f"checkpoint-{crash_after}/{adapter_repo.COMPLETE_MARKER}"
-        self.proxy = proxy
+        self.proxy, self.ledger, self.faults = proxy, ledger, faults
+
+    def faults_counted(self) -> bool:
+        counts = rollout_guard.read_ledger(self.ledger)
+        return bool(counts) and counts["unscorable_total"] + counts["timed_out"] >= self.faults
 
     def create_commit(self, repo_id: str, operations: list[object], **kwargs: Any) -> Any:
         info = super().create_commit(repo_id, operations, **kwargs)
         if any(getattr(op, "path_in_repo", "") == self.marker for op in operations):
+            deadline = time.monotonic() + FAULTS_SETTLE_S
+            while not self.faults_counted() and time.monotonic() < deadline:
+                time.sleep(0.2)
             print(f"rehearse: {self.marker} pushed; crashing on purpose (SIGKILL)", flush=True)
             for child in multiprocessing.active_children():
                 os.kill(child.pid, signal.SIGKILL)
@@ -217,16 +232,16 @@ def main(argv: list[str] | None = None) -> int:
     vllm_url = server.start(recipe.LOOPBACK)
     proxy, capture_url = start_capture_proxy(vllm_url, workdir / "capture.log")
     try:
-        hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy) if args.crash_after_checkpoint
-               else LocalHub(workdir / "hub"))
         settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, capture_url, args))
+        faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
+        ledger = rollout_guard.ledger_path(settings.heartbeat_file)
+        hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy, ledger, len(faults))
+               if args.crash_after_checkpoint else LocalHub(workdir / "hub"))
         resumable = (adapter_repo.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
         (workdir / "sandboxes").mkdir(exist_ok=True)
-        ledger = workdir / "rollouts.json"  # as run_job.sh does: a later start keeps the earlier start's counts
-        if ledger.is_file():
+        if ledger.is_file():  # as run_job.sh does: a later start keeps the earlier start's counts
             ledger.replace(workdir / f"rollouts.start-{len(list(workdir.glob('rollouts.*.json'))) + 1}.json")
-        faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
         factory = functools.partial(ScriptedAgentSessionFactory, capture_url, llm_url=vllm_url,
                                     model=recipe.SERVED_MODEL_NAME, agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS,
                                     sandbox_root=str(workdir / "sandboxes"), faults=faults)

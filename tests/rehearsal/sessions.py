@@ -16,6 +16,7 @@ The factory is rebuilt in TRL's spawned rollout process, so it holds plain data 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import shutil
@@ -30,13 +31,12 @@ from openenv.core.harness import ResourceSession, ResourceSessionFactory, ToolRe
 
 import recipe
 
-SYSTEM_PROMPT = "You are a coding agent. Work in the current directory and write your final answer to answer.txt."
-WRITE_TOOL = {"type": "function", "function": {
-    "name": "write", "description": "Write a file in the workspace.",
-    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
-                   "required": ["path", "content"]}}}
+# Prompts are kept short: the tokenizer is byte-level and the server prefills every byte of them in bf16 on CPU.
+SYSTEM_PROMPT = "Coding agent. Final answer goes in answer.txt."
+WRITE_TOOL = {"type": "function", "function": {"name": "write", "parameters": {
+    "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}
 # Output cap the scripted agent asks for: keeps a CPU rollout to a second or two (OpenCode asks for 32000).
-AGENT_MAX_TOKENS = 12
+AGENT_MAX_TOKENS = 6
 # Rollout-level failures the rehearsal can inject (README "Rollout failures"), each as it shows in production:
 #   create            the env server refuses the session (create() raises)
 #   sandbox           the sandbox never boots: no agent, no reward, exit code 1
@@ -47,6 +47,13 @@ AGENT_MAX_TOKENS = 12
 #   verifier          the verifier crashes and writes no reward
 #   timeout           the agent makes one call, then outlives its timeout (TRL trains that turn, timed out)
 FAULTS = ("create", "sandbox", "opencode_install", "model_call", "env_restart", "capture", "verifier", "timeout")
+
+
+@functools.cache
+def http() -> httpx.Client:
+    """One HTTP client per process, shared by every session: building an httpx.Client loads the CA bundle (about
+    50 ms of CPU), and a rollout made four of them, which cost a rehearsal about 20 s of CPU."""
+    return httpx.Client(limits=httpx.Limits(max_connections=None, max_keepalive_connections=64))
 
 
 def instruction_id(instruction: str) -> str:
@@ -60,7 +67,7 @@ def make_tasks(count: int) -> list[dict[str, Any]]:
     for index in range(count):
         parity = ("even", "odd")[index % 2]
         tasks.append({"index": index, "task_name": f"rehearsal-{index:03d}", "parity": index % 2,
-                      "instruction": f"Task {index}: reply with a message whose length in bytes is {parity}."})
+                      "instruction": f"Task {index}: reply in an {parity} number of bytes."})
     return tasks
 
 
@@ -72,13 +79,13 @@ def grade(workdir: Path, task: dict[str, Any]) -> float:
     return 1.0 if len(answer.read_bytes()) % 2 == task["parity"] else 0.0
 
 
-def chat_streamed(client: httpx.Client, capture_url: str, session_id: str, messages: list[dict[str, Any]]) -> str:
+def chat_streamed(capture_url: str, session_id: str, messages: list[dict[str, Any]], timeout_s: float) -> str:
     """One model call as OpenCode makes it through the Jobs proxy: SSE, tools, key only in x-api-key."""
     body = {"model": "intercepted", "messages": messages, "tools": [WRITE_TOOL], "tool_choice": "auto",
             "max_tokens": AGENT_MAX_TOKENS, "stream": True}
     text = []
-    with client.stream("POST", f"{capture_url}/v1/chat/completions", json=body,
-                       headers={"x-api-key": session_id}) as response:
+    with http().stream("POST", f"{capture_url}/v1/chat/completions", json=body, headers={"x-api-key": session_id},
+                       timeout=timeout_s) as response:
         if response.status_code != 200:
             raise RuntimeError(f"capture proxy answered {response.status_code}: {response.read()[:300]!r}")
         for line in response.iter_lines():
@@ -89,24 +96,24 @@ def chat_streamed(client: httpx.Client, capture_url: str, session_id: str, messa
     return "".join(text)
 
 
-def run_agent(client: httpx.Client, capture_url: str, session_id: str, instruction: str, workdir: Path,
+def run_agent(capture_url: str, session_id: str, instruction: str, workdir: Path, timeout_s: float,
               fault: str = "", drafted: threading.Event | None = None) -> None:
     """Two model calls (draft, then final answer) with a file write in between, like a minimal coding agent."""
     if fault == "model_call":  # a prompt past the served context: vLLM's 400, passed on by the proxy
         instruction += " x" * recipe.MAX_MODEL_LEN
     messages: list[dict[str, Any]] = [{"role": "system", "content": SYSTEM_PROMPT},
                                       {"role": "user", "content": instruction}]
-    draft = chat_streamed(client, capture_url, session_id, messages)
+    draft = chat_streamed(capture_url, session_id, messages, timeout_s)
     (workdir / "draft.txt").write_text(draft)
     if drafted is not None:
         drafted.set()
     if fault == "timeout":
         threading.Event().wait()  # the agent hangs after its first call (a daemon thread, left to the process)
     if fault == "env_restart":
-        httpx.delete(f"{capture_url}/sessions/{session_id}", timeout=30)
+        http().delete(f"{capture_url}/sessions/{session_id}", timeout=30)
     messages += [{"role": "assistant", "content": draft},
                  {"role": "user", "content": f"draft.txt saved ({len(draft.encode())} bytes). Final answer?"}]
-    (workdir / "answer.txt").write_text(chat_streamed(client, capture_url, session_id, messages))
+    (workdir / "answer.txt").write_text(chat_streamed(capture_url, session_id, messages, timeout_s))
 
 
 class ScriptedAgentSession(ResourceSession):
@@ -124,7 +131,6 @@ class ScriptedAgentSession(ResourceSession):
         self.reward: float | None = None
         self.finished = False  # the agent ran to its end (whatever the verifier then says)
         self.closed = False
-        self.client = httpx.Client(timeout=timeout_s)
         self._ended = threading.Event()  # set when the agent finishes or the session is closed
 
     def initial_messages(self) -> list[dict[str, Any]]:
@@ -156,12 +162,11 @@ class ScriptedAgentSession(ResourceSession):
 
     def _run_agent(self) -> None:
         try:
-            with self.client:
-                if self.fault != "opencode_install":
-                    run_agent(self.client, self.capture_url, self.session_id, self.task["instruction"],
-                              self.workdir, self.fault, self._drafted)
+            if self.fault != "opencode_install":
+                run_agent(self.capture_url, self.session_id, self.task["instruction"], self.workdir, self.timeout_s,
+                          self.fault, self._drafted)
             if self.fault == "capture":
-                httpx.delete(f"{self.capture_url}/sessions/{self.session_id}", timeout=30)
+                http().delete(f"{self.capture_url}/sessions/{self.session_id}", timeout=30)
             self.finished = not self.closed
             if self.finished and self.fault != "verifier":
                 self.reward = grade(self.workdir, self.task)
@@ -178,7 +183,7 @@ class ScriptedAgentSession(ResourceSession):
         ValueError, which bare TRL turns into a CaptureContractError that stops training; rollout_guard makes
         it one unscorable rollout.
         """
-        response = httpx.get(f"{self.capture_url}/sessions/{self.session_id}/trace_entries", timeout=60)
+        response = http().get(f"{self.capture_url}/sessions/{self.session_id}/trace_entries", timeout=60)
         if self.closed:
             return TrainingTrace(turns=[])
         if response.status_code != 200:
@@ -191,7 +196,7 @@ class ScriptedAgentSession(ResourceSession):
     def close(self) -> None:
         self.closed = True
         self._ended.set()
-        httpx.delete(f"{self.capture_url}/sessions/{self.session_id}", timeout=30)
+        http().delete(f"{self.capture_url}/sessions/{self.session_id}", timeout=30)
         shutil.rmtree(self.workdir, ignore_errors=True)
 
 
@@ -234,7 +239,7 @@ class ScriptedAgentSessionFactory(ResourceSessionFactory[ScriptedAgentSession]):
             payload["sampling"] = self.sampling
         if self.llm_url:
             payload.update(llm_url=self.llm_url, model=self.model)
-        response = httpx.post(f"{self.server_url}/sessions", json=payload, timeout=120)
+        response = http().post(f"{self.server_url}/sessions", json=payload, timeout=120)
         response.raise_for_status()
         return ScriptedAgentSession(capture_url=self.server_url, session_id=response.json()["session_id"],
                                     task=found, timeout_s=self.agent_timeout_sec, sandbox_root=self.sandbox_root,
