@@ -288,15 +288,15 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
         base_logits = base(input_ids=ids).logits
         tuned = PeftModel.from_pretrained(base, repo)
         assert not torch.equal(tuned(input_ids=ids).logits, base_logits)
-    counts = check_smoke_report(workdir, second.stdout)
+    counts = check_smoke_report(workdir, second.stdout, ledger)
     assert_trackio_logged_three_steps(f"train-{workdir.parent.name}", counts)
     assert_training_repo_card(repo / "README.md")
 
 
-def check_smoke_report(workdir: Path, stdout: str) -> dict:
+def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     """The smoke job's ending on the rehearsed run: the report read from what the two starts left (train_log.json,
     both starts' rollout counts, the checkpoints downloaded back from the hub double and checked), pushed.
-    Returns the rollout counts of both starts together."""
+    `first` is the killed start's ledger. Returns the rollout counts of both starts together."""
     report = json.loads((workdir / smoke_report.REPORT_PATH).read_text())
     assert json.loads((workdir / "hub" / ADAPTER_REPO / smoke_report.REPORT_PATH).read_text()) == report
     assert report["verdict"] == "GO" and report["reasons"] == [], report["reasons"]
@@ -311,8 +311,13 @@ def check_smoke_report(workdir: Path, stdout: str) -> dict:
     assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
     counts = report["rollouts"]  # both starts: the killed one's counts were kept aside
     assert len(list(workdir.glob("rollouts.*.json"))) == 1
-    assert {k: n for k, n in counts["unscorable"].items() if n} == FAULT_COUNTS, counts  # the second injects none
-    assert counts["scored"] >= 3 * recipe.NUM_GENERATIONS and counts["stopped"] is None
+    second = json.loads((workdir / "rollouts.json").read_text())
+    # The second start injects nothing: the only rollouts it may count unscorable are those still running when its
+    # training ended, which TRL closes (their capture is gone: empty_trace). Seen once in a fresh-clone CI run.
+    assert {k for k, n in second["unscorable"].items() if n} <= {"empty_trace"}, second
+    assert counts["unscorable"] == {c: n + second["unscorable"][c] for c, n in first["unscorable"].items()}, counts
+    assert counts["scored"] == first["scored"] + second["scored"] >= 3 * recipe.NUM_GENERATIONS
+    assert counts["stopped"] is None
     versions = report["versions"]
     assert versions["trl"] == "1.15.0" and versions["transformers"] == "5.17.0" and versions["fetch_training_trace"]
     return counts
