@@ -1,11 +1,11 @@
 """Session-wide settings: Trackio logs into a throw-away folder and never to a Space or server; one torch thread
-per process; and the order pytest-xdist hands the modules out in (`-n 2 --dist loadscope`, set in pyproject.toml).
+per process; and the order pytest-xdist hands the modules out in (`-n 3 --dist loadscope`, set in pyproject.toml).
 
 Trackio reads TRACKIO_DIR once, when first imported (TRL imports it with its async GRPO trainer), so it is set
 here, before any test module is collected; the rehearsal subprocesses inherit it (each xdist worker has its own).
 
 Torch runs one intra-op thread per process (OMP_NUM_THREADS=1, inherited by every child the tests start): the
-tiny models gain nothing from a second thread, and on a 2-core machine running two workers plus the rehearsal's
+tiny models gain nothing from a second thread, and on a 2-core machine running three workers plus the rehearsal's
 processes, OpenMP's spinning threads only fight each other (a rehearsal run took 170 s with the default, 94 s
 with one thread).
 

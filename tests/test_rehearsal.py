@@ -229,8 +229,8 @@ def run_rehearsal(workdir: Path, *extra: str, timeout: int = 280) -> subprocess.
     return subprocess.CompletedProcess(process.args, process.returncode, out)
 
 
-# What `--faults all` injects (sessions.FAULTS, one rollout each), as rollout_guard counts it: unscorable by class,
-# plus the timed-out agent, whose captured turn is still trained.
+# What `--faults all` injects (sessions.FAULTS, one rollout each), as rollout_guard counts it: unscorable by class.
+# The eighth, the timed-out agent, is counted under `timed_out` instead: its captured turn is still trained.
 FAULT_COUNTS = {"create": 1, "rollout": 2, "capture": 1, "empty_trace": 2, "verifier": 1}
 
 
