@@ -588,12 +588,13 @@ def main() -> None:
     checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
     concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
     n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
-    token = recipe.require_token()  # before eval_sampling(): OpenEnv's import takes seconds, a missing token none
+    token = recipe.require_token()
+    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
+    factory.check_up()  # a missing token or env server is said at once; OpenEnv's import (eval_sampling) takes 7 s
     eval_sampling()
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
-    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
     tasks = factory.tasks()
     if len(tasks) != recipe.TEST_TASKS:
         raise recipe.ConfigError(f"split {factory.split!r} has {len(tasks)} tasks, the test split has "

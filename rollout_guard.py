@@ -255,7 +255,7 @@ def guarded(factory: Callable[..., Any], ledger_file: str | Path) -> Callable[..
 def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> None:
     """While the trainer waits for rollouts: date the heartbeat to the newest progress, step or finished rollout.
 
-    The heartbeat's text keeps the last optimizer step and its time (written by train_lora.Heartbeat); only its
+    The heartbeat's text keeps the last optimizer step and its time (written by train_callbacks.Heartbeat); only its
     mtime moves, which is what run_job.sh's watchdog reads. Only a trainer that is waiting calls this, so a
     trainer stuck elsewhere still goes stale while rollouts keep finishing.
     """

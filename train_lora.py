@@ -31,15 +31,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 from urllib.parse import urlparse
 
-from peft import LoraConfig
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
-
 import adapter_repo
 import dashboard
 import recipe
 
 if TYPE_CHECKING:
     from datasets import Dataset
+    from peft import LoraConfig
     from transformers import PreTrainedTokenizerBase
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutOutcome, HarnessRolloutWorker
@@ -152,6 +150,8 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
 
 def lora_config() -> LoraConfig:
     """LoRA on attention q/k/v/out and FFN w1/w2/w3, never on the short-conv projections."""
+    from peft import LoraConfig
+
     return LoraConfig(
         r=recipe.LORA_R,
         lora_alpha=recipe.LORA_ALPHA,
@@ -398,48 +398,6 @@ def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
     return local
 
 
-class CheckpointPusher(TrainerCallback):
-    """Pushes each saved checkpoint-N/ to the adapter repo (transformers v5 has no PushToHubCallback)."""
-
-    def __init__(self, api: Any, repo_id: str, **push_kwargs: Any) -> None:
-        self.api, self.repo_id, self.push_kwargs = api, repo_id, push_kwargs
-
-    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        if not state.is_world_process_zero:
-            return
-        folder = adapter_repo.checkpoint_name(state.global_step)
-        adapter_repo.push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True,
-                                 **self.push_kwargs)
-
-
-class Heartbeat(TrainerCallback):
-    """Rewrites `<step> <time>` after every optimizer step; run_job.sh's watchdog fails the job when it goes stale.
-
-    While the trainer waits for rollouts, rollout_guard.refresh_heartbeat moves the file's mtime to the last
-    finished rollout too. Each step also logs the rollout counts from the ledger next to the heartbeat.
-    """
-
-    def __init__(self, path: str) -> None:
-        self.path = Path(path)
-
-    def beat(self, step: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(f"{step} {time.time():.0f}\n")
-
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.beat(state.global_step)
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.beat(state.global_step)
-        import rollout_guard
-
-        counts = rollout_guard.read_ledger(rollout_guard.ledger_path(self.path))
-        if counts:
-            logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
-                        counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],
-                        json.dumps(counts["unscorable"]))
-
-
 TRAIN_LOG_NAME = "train_log.json"
 
 
@@ -447,50 +405,6 @@ def train_log_path(heartbeat_file: str | Path) -> Path:
     """Where RunLog writes: next to the heartbeat and rollouts.json, so the smoke report finds all three."""
     return Path(heartbeat_file).with_name(TRAIN_LOG_NAME)
 
-
-class RunLog(TrainerCallback):
-    """Appends each trainer start and every logged step (TRL's metrics: ratio, perf/*, rollout/*, weight_sync/*) to
-    train_log.json, rewritten atomically. Machine-readable, and it spans a resumed start: the smoke report reads it
-    instead of scraping logs. {schema, starts: [{at, resumed_from, global_step, max_steps}], logs: [{start, step, ...}]}
-    """
-
-    def __init__(self, path: str | Path, resumed_from: int | None) -> None:
-        self.path, self.resumed_from = Path(path), resumed_from
-
-    def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
-        try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            doc = {"schema": 1, "starts": [], "logs": []}
-        change(doc)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temp = self.path.with_name(f".{self.path.name}.tmp")
-        temp.write_text(json.dumps(doc))
-        os.replace(temp, self.path)
-
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        start = {"at": time.time(), "resumed_from": self.resumed_from, "global_step": state.global_step,
-                 "max_steps": state.max_steps}
-        self._update(lambda doc: doc["starts"].append(start))
-
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
-               logs: dict[str, Any] | None = None, **_: Any) -> None:
-        if logs:
-            self._update(lambda doc: doc["logs"].append({"start": len(doc["starts"]) - 1, "step": state.global_step,
-                                                         **logs}))
-
-
-class StopAfterStep(TrainerCallback):
-    """Ends training right after step N is saved (and so pushed): the smoke run's first trainer start, which a second
-    start then resumes from the Hub exactly as a relaunched job would (same MAX_STEPS, so the same schedule)."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        if state.global_step >= self.step:
-            control.should_save = True
-            control.should_training_stop = True
 
 
 # --- Assembly ------------------------------------------------------------------------------------------------------
@@ -515,6 +429,7 @@ def build_trainer(
 ) -> AsyncGRPOTrainer:
     """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC): worker, LoRA, heartbeat, checkpoint push, metrics."""
     import run_metrics
+    import train_callbacks
     import weight_sync
 
     recipe.check_versions()
@@ -524,13 +439,13 @@ def build_trainer(
     tokenizer = load_tokenizer(settings)
     worker = rollout_worker(settings, tokenizer, dataset, factory)
     trainer_cls = weight_sync.trainer_class(settings.weight_sync)
-    callbacks: list[TrainerCallback] = [
-        Heartbeat(settings.heartbeat_file),
-        CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
-        RunLog(train_log_path(settings.heartbeat_file), resumed_from),
+    callbacks = [
+        train_callbacks.Heartbeat(settings.heartbeat_file),
+        train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
+        train_callbacks.RunLog(train_log_path(settings.heartbeat_file), resumed_from),
     ]
     if settings.stop_after_step:
-        callbacks.append(StopAfterStep(settings.stop_after_step))
+        callbacks.append(train_callbacks.StopAfterStep(settings.stop_after_step))
     trainer = trainer_cls(
         model=settings.model,
         args=grpo_config(settings),
@@ -576,16 +491,16 @@ def train(
 
 
 def resolved_config(settings: Settings) -> dict[str, Any]:
-    """What --dry-run prints: the settings (no token) and every recipe number the run uses."""
-    lora = lora_config()
+    """What --dry-run prints: the settings (no token) and every recipe number the run uses (the LoRA numbers as
+    lora_config() passes them to PEFT, read from recipe.py: importing PEFT would cost the dry run 8 s)."""
     return {
         **settings.public(),
         "dtype": recipe.TRAINER_DTYPE,
         "lora": {
-            "r": lora.r,
-            "alpha": lora.lora_alpha,
-            "dropout": lora.lora_dropout,
-            "target_modules": sorted(lora.target_modules),
+            "r": recipe.LORA_R,
+            "alpha": recipe.LORA_ALPHA,
+            "dropout": recipe.LORA_DROPOUT,
+            "target_modules": sorted(recipe.LORA_TARGET_MODULES),
         },
         "sampling": {
             "temperature": recipe.TEMPERATURE,

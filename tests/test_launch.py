@@ -40,9 +40,9 @@ EXPECTED = {
 }
 SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
-           "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py", "run_eval.sh", "launch.py",
-           "export_adapter.py", "README.md", "requirements.txt", "dashboard.py", "run_metrics.py", "model_cards.py",
-           "smoke_report.py"]
+           "train_callbacks.py", "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py",
+           "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
+           "run_metrics.py", "model_cards.py", "smoke_report.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -357,6 +357,24 @@ def test_preflight_failure_is_one_line_and_touches_nothing(capsys, monkeypatch, 
 
 def test_bundle_file_list_is_the_recipe_include_set(bundle):
     assert launch.bundle_files(bundle) == BUNDLE
+
+
+@pytest.mark.parametrize("mode", sorted(launch.MODES))
+def test_each_mode_checks_for_every_bundle_module_its_scripts_import(mode):
+    """check_bundle's list for a mode holds every bundle module its Python scripts import, lazy imports included:
+    a module missing from a partial bundle would otherwise surface on the job, after the install and the model load."""
+    from test_runtime_imports import imported_modules
+
+    modules = {p.stem for p in ROOT.glob("*.py")}
+    needed = {launch.MODES[mode]["script"], *launch.MODES[mode]["needs"], *launch.COMMON_FILES}
+    todo, imported = [name for name in needed if name.endswith(".py")], set()
+    while todo:
+        script = todo.pop()
+        for module in imported_modules(ROOT / script) & modules:
+            if f"{module}.py" not in imported:
+                imported.add(f"{module}.py")
+                todo.append(f"{module}.py")
+    assert imported <= needed, sorted(imported - needed)
 
 
 # --- checks that read the adapter repo (real launches only) -------------------------------------------------

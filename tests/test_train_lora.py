@@ -26,6 +26,7 @@ from trl.experimental.async_grpo.openenv_harness import HarnessRolloutOutcome, H
 
 import adapter_repo
 import recipe
+import train_callbacks
 import train_lora
 from tests.fake_sessions import TASKS, FakeSessionFactory
 from tests.hub_double import LocalHub
@@ -216,9 +217,10 @@ def test_dry_run_prints_the_resolved_config_without_secrets_side_effects_or_down
     cwd.mkdir()
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": str(ROOT), **BASE_ENV, "MAX_STEPS": "20", "CAPTURE_URL": "https://abc--8000.hf.jobs/capture"}
-    # Importing train_lora must not pull in harbor_env, TRL's trainer or weight_sync (nor load or write anything).
-    code = ("import sys, train_lora; loaded = [m for m in ('harbor_env', 'trl.experimental', 'weight_sync') "
-            "if m in sys.modules]; print('LOADED', loaded, file=sys.stderr); sys.exit(train_lora.main(['--dry-run']))")
+    # The dry run imports none of the training stack (about 10 s of CPU), and loads or writes nothing.
+    code = ("import sys, train_lora; code = train_lora.main(['--dry-run']); loaded = [m for m in ('harbor_env', "
+            "'torch', 'transformers', 'peft', 'trl', 'weight_sync', 'train_callbacks') if m in sys.modules]; "
+            "print('LOADED', loaded, file=sys.stderr); sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=120)
     assert result.returncode == 0, result.stderr
@@ -260,8 +262,8 @@ def test_real_trainer_and_config_from_the_builders(built):
     assert args.vllm_server_base_url == settings.vllm_url
     assert wrapped_modules(trainer.model) == wrapped_modules(get_peft_model(tiny_model()[0], train_lora.lora_config()))
     assert trainer.processing_class.response_template is not None
-    assert [type(c).__name__ for c in trainer.callback_handler.callbacks if type(c).__module__ == "train_lora"] == [
-        "Heartbeat", "CheckpointPusher", "RunLog"]  # StopAfterStep only with STOP_AFTER_STEP
+    ours = [type(c).__name__ for c in trainer.callback_handler.callbacks if type(c).__module__ == "train_callbacks"]
+    assert ours == ["Heartbeat", "CheckpointPusher", "RunLog"]  # StopAfterStep only with STOP_AFTER_STEP
     # Dashboard: Trackio by default, one project per adapter repo, one run per job, a private live Space.
     assert args.report_to == ["trackio"] and args.project == REPO.split("/")[-1] and args.run_name.startswith("train-")
     assert (args.trackio_space_id, args.hub_private_repo, args.trackio_static_space_id) == (
@@ -403,7 +405,7 @@ def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_pa
     hub.create_repo(REPO)
     fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
     args = SimpleNamespace(output_dir=str(tmp_path / "out"))
-    pusher = train_lora.CheckpointPusher(hub, REPO, backoff_s=0)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO, backoff_s=0)
     pusher.on_save(args, TrainerState(global_step=7, is_world_process_zero=False), None)
     assert hub.commits == []  # Only the main process pushes.
     hub.fail_uploads = recipe.PUSH_RETRIES
@@ -423,7 +425,7 @@ def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status):
     fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
     hub.fail_uploads, hub.fail_status = 1, status
     waits: list[float] = []
-    pusher = train_lora.CheckpointPusher(hub, REPO, backoff_s=1, sleep=waits.append)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO, backoff_s=1, sleep=waits.append)
     with pytest.raises(RuntimeError) as caught:
         pusher.on_save(SimpleNamespace(output_dir=str(tmp_path / "out")), TrainerState(global_step=7), None)
     message = str(caught.value)
@@ -434,7 +436,7 @@ def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status):
 def test_heartbeat_rewrites_its_file_every_step(tmp_path):
     from transformers import TrainerState
 
-    beat = train_lora.Heartbeat(str(tmp_path / "deep" / "heartbeat"))
+    beat = train_callbacks.Heartbeat(str(tmp_path / "deep" / "heartbeat"))
     beat.on_train_begin(None, TrainerState(global_step=0), None)
     assert (tmp_path / "deep" / "heartbeat").read_text().split()[0] == "0"
     os.utime(tmp_path / "deep" / "heartbeat", (0, 0))
@@ -446,7 +448,7 @@ def test_heartbeat_rewrites_its_file_every_step(tmp_path):
 def test_stop_after_step_saves_that_step_and_ends_training():
     from transformers import TrainerControl, TrainerState
 
-    stop, control = train_lora.StopAfterStep(2), TrainerControl()
+    stop, control = train_callbacks.StopAfterStep(2), TrainerControl()
     stop.on_step_end(None, TrainerState(global_step=1), control)
     assert not control.should_save and not control.should_training_stop
     stop.on_step_end(None, TrainerState(global_step=2), control)
@@ -460,10 +462,10 @@ def test_run_log_keeps_every_start_and_logged_step_across_a_resume(tmp_path):
     from transformers import TrainerState
 
     path = train_lora.train_log_path(tmp_path / "heartbeat")
-    first = train_lora.RunLog(path, resumed_from=None)
+    first = train_callbacks.RunLog(path, resumed_from=None)
     first.on_train_begin(None, TrainerState(global_step=0, max_steps=6), None)
     first.on_log(None, TrainerState(global_step=1), None, logs={"loss": 0.1, "ratio": 0.999})
-    second = train_lora.RunLog(path, resumed_from=2)
+    second = train_callbacks.RunLog(path, resumed_from=2)
     second.on_train_begin(None, TrainerState(global_step=2, max_steps=6), None)
     second.on_log(None, TrainerState(global_step=3), None, logs={"loss": 0.2, "perf/step_s": None})
     doc = json.loads(path.read_text())

@@ -86,7 +86,7 @@ class StepLog(TrainerCallback):
         self.heartbeats: list[int] = []
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        # train_lora's Heartbeat callback runs before this one, so the file already says this step.
+        # train_callbacks.Heartbeat runs before this one, so the file already says this step.
         self.heartbeats.append(int(self.heartbeat_file.read_text().split()[0]))
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,

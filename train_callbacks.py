@@ -1,0 +1,108 @@
+"""The TrainerCallbacks train_lora.build_trainer adds: checkpoint push, heartbeat, run log, stop after step N.
+
+Kept apart from train_lora.py, which imports this module only when it builds the trainer: transformers'
+TrainerCallback import costs about 8 s of CPU, which `train_lora.py --help` and `--dry-run` should not pay.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+
+import adapter_repo
+
+logger = logging.getLogger("train_lora")
+
+
+class CheckpointPusher(TrainerCallback):
+    """Pushes each saved checkpoint-N/ to the adapter repo (transformers v5 has no PushToHubCallback)."""
+
+    def __init__(self, api: Any, repo_id: str, **push_kwargs: Any) -> None:
+        self.api, self.repo_id, self.push_kwargs = api, repo_id, push_kwargs
+
+    def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        if not state.is_world_process_zero:
+            return
+        folder = adapter_repo.checkpoint_name(state.global_step)
+        adapter_repo.push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True,
+                                 **self.push_kwargs)
+
+
+class Heartbeat(TrainerCallback):
+    """Rewrites `<step> <time>` after every optimizer step; run_job.sh's watchdog fails the job when it goes stale.
+
+    While the trainer waits for rollouts, rollout_guard.refresh_heartbeat moves the file's mtime to the last
+    finished rollout too. Each step also logs the rollout counts from the ledger next to the heartbeat.
+    """
+
+    def __init__(self, path: str) -> None:
+        self.path = Path(path)
+
+    def beat(self, step: int) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.write_text(f"{step} {time.time():.0f}\n")
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        self.beat(state.global_step)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        self.beat(state.global_step)
+        import rollout_guard
+
+        counts = rollout_guard.read_ledger(rollout_guard.ledger_path(self.path))
+        if counts:
+            logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
+                        counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],
+                        json.dumps(counts["unscorable"]))
+
+
+class RunLog(TrainerCallback):
+    """Appends each trainer start and every logged step (TRL's metrics: ratio, perf/*, rollout/*, weight_sync/*) to
+    train_log.json, rewritten atomically. Machine-readable, and it spans a resumed start: the smoke report reads it
+    instead of scraping logs. {schema, starts: [{at, resumed_from, global_step, max_steps}], logs: [{start, step, ...}]}
+    """
+
+    def __init__(self, path: str | Path, resumed_from: int | None) -> None:
+        self.path, self.resumed_from = Path(path), resumed_from
+
+    def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
+        try:
+            doc = json.loads(self.path.read_text())
+        except (OSError, ValueError):
+            doc = {"schema": 1, "starts": [], "logs": []}
+        change(doc)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        temp = self.path.with_name(f".{self.path.name}.tmp")
+        temp.write_text(json.dumps(doc))
+        os.replace(temp, self.path)
+
+    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        start = {"at": time.time(), "resumed_from": self.resumed_from, "global_step": state.global_step,
+                 "max_steps": state.max_steps}
+        self._update(lambda doc: doc["starts"].append(start))
+
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
+               logs: dict[str, Any] | None = None, **_: Any) -> None:
+        if logs:
+            self._update(lambda doc: doc["logs"].append({"start": len(doc["starts"]) - 1, "step": state.global_step,
+                                                         **logs}))
+
+
+class StopAfterStep(TrainerCallback):
+    """Ends training right after step N is saved (and so pushed): the smoke run's first trainer start, which a second
+    start then resumes from the Hub exactly as a relaunched job would (same MAX_STEPS, so the same schedule)."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        if state.global_step >= self.step:
+            control.should_save = True
+            control.should_training_stop = True
