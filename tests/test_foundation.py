@@ -128,8 +128,11 @@ def test_the_suite_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
             "@pytest.mark.parametrize('n', range(6))\n"
             "def test_n(n):\n"
             f"    with open('{module}.log', 'a') as f: f.write(os.environ['PYTEST_XDIST_WORKER'] + '\\n')\n")
-    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider"], cwd=tmp_path,
-                         capture_output=True, text=True, timeout=120)
+    # Only xdist among the installed plugins: the others do not take part, and each of the four processes
+    # would import them.
+    out = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "xdist", "-p", "no:cacheprovider"], cwd=tmp_path,
+                         env={**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}, capture_output=True, text=True,
+                         timeout=120)
     assert out.returncode == 0, out.stdout[-2000:]
     workers = {module: set((tmp_path / f"{module}.log").read_text().split()) for module in ("a", "b")}
     assert all(len(w) == 1 for w in workers.values()) and workers["a"] != workers["b"], workers

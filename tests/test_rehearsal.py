@@ -15,6 +15,8 @@ import os
 import signal
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -39,7 +41,7 @@ import weight_sync
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 sys.path.insert(0, str(REHEARSAL))
 
-from policy_server import PolicyServer  # noqa: E402
+from policy_server import OldestTaskFirst, PolicyServer  # noqa: E402
 from rehearse import ADAPTER_REPO, start_capture_proxy, wait_for_proxy  # noqa: E402
 from sessions import ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
@@ -105,6 +107,28 @@ def test_logprobs_are_the_models_at_the_requested_temperature(server: PolicyServ
     served = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
     assert torch.allclose(served, expected, atol=0.05), (served, expected)
     assert bool((served < 0).all())
+
+
+def test_engine_serves_the_oldest_task_first_and_later_turns_before_first_ones() -> None:
+    """So that a group's rollouts finish together, as they do on a batching GPU (see OldestTaskFirst)."""
+    engine, served = OldestTaskFirst(), []
+    engine.acquire("task A", depth=2)  # busy: everything below queues
+    requests = [("task B", 2), ("task A", 2), ("task B", 4), ("task C", 4), ("task A", 4)]
+    threads = []
+    for task, depth in requests:
+        def serve(task: str = task, depth: int = depth) -> None:
+            engine.acquire(task, depth)
+            served.append((task, depth))
+            engine.release()
+        threads.append(threading.Thread(target=serve))
+        threads[-1].start()
+        deadline = time.monotonic() + 10
+        while len(engine._waiting) < len(threads) and time.monotonic() < deadline:
+            time.sleep(0.01)
+    engine.release()
+    for thread in threads:
+        thread.join(10)
+    assert served == [("task A", 4), ("task A", 2), ("task B", 4), ("task B", 2), ("task C", 4)]
 
 
 def test_server_refuses_truncated_sampling_and_unknown_models_as_vllm_would(server: PolicyServer) -> None:
