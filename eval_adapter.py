@@ -183,10 +183,11 @@ class HarborEvalFactory:
         self.sandbox = sandbox
 
     def tasks(self) -> list[dict[str, Any]]:
-        """[{index, task_name}] of the split, resolving the split name first."""
+        """[{index, task_name}] of the split, resolving the split name first (the server is asked to answer before
+        OpenEnv's client is imported: a missing server is then said at once, not after a 7 s import)."""
+        self.check_up()
         from openenv.harbor.client import HarborEnv
 
-        self.check_up()
         with HarborEnv(base_url=self.env_url) as env:
             self.split = choose_split(env.splits(), self.split)
             refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
@@ -590,12 +591,11 @@ def main() -> None:
     n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
     token = recipe.require_token()
     factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
-    factory.check_up()  # a missing token or env server is said at once; OpenEnv's import (eval_sampling) takes 7 s
+    tasks = factory.tasks()  # before eval_sampling(): a missing env server is said before OpenEnv's import
     eval_sampling()
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)
-    tasks = factory.tasks()
     if len(tasks) != recipe.TEST_TASKS:
         raise recipe.ConfigError(f"split {factory.split!r} has {len(tasks)} tasks, the test split has "
                                  f"{recipe.TEST_TASKS}: point the env server at the test tasks or set EVAL_SPLIT")
