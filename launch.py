@@ -10,7 +10,7 @@ above (PEP 723) makes `uv run launch.py` bring huggingface_hub>=2.1.1 and tomli-
 task-list checks the preflight reuses, imports it), in any shell:
 
     export ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL
-    uv run launch.py smoke                                # every stage at small scale, 2 h cap: do this first
+    uv run launch.py smoke                                # the recipe's MAX_STEPS=20 smoke test, every stage: first
     uv run launch.py eval-watch --smoke                   # the watcher's hot-load path on the smoke run's checkpoints
     uv run launch.py train                                # MAX_STEPS=1000 on h200x2, 72 h cap
     uv run launch.py eval-watch                           # live learning curve on h200, 48 h cap
@@ -67,7 +67,8 @@ _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 # recipe.knob check the job's own preflight runs; unset ones keep the job's recipe default.
 JOB_KNOBS: dict[str, tuple[str, ...]] = {
     "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL"),
-    # Not SAVE_STEPS, RESUME or FINAL_EVAL: the smoke plan fixes them (a stop after checkpoint-2, a resume, an eval).
+    # Not SAVE_STEPS, RESUME or FINAL_EVAL: the smoke plan fixes them (a stop after its first checkpoint, a resume,
+    # an eval); its MAX_STEPS is the --max-steps flag of its own.
     "smoke": ("WEIGHT_SYNC", "STALL_MINUTES"),
     "eval-watch": ("MAX_IDLE_HOURS", "EVAL_CONCURRENCY"),
     "eval": ("EVAL_CONCURRENCY",),
@@ -81,7 +82,7 @@ MODES: dict[str, dict[str, Any]] = {
     "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "weight_sync.py",
                                                 "rollout_guard.py", "run_metrics.py", "model_cards.py",
                                                 "smoke_report.py"),
-              "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.SMOKE_TIMEOUT},
+              "flavor": recipe.TRAIN_FLAVOR, "timeout": None},  # the smoke plan's cap (smoke_timeout)
     "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
                    "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
     "eval": {"script": "run_eval.sh", "needs": (),
@@ -227,13 +228,16 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
     job = {"ADAPTER_REPO": adapter_repo}
     if mode == "train":
         job["MAX_STEPS"] = str(recipe.knob("MAX_STEPS", env, args.max_steps))
+        if int(job["MAX_STEPS"]) <= recipe.SMOKE_STEPS:  # smoke-sized: no 250-task final eval unless asked for
+            job["FINAL_EVAL"] = "0"  # a given FINAL_EVAL (passed_knobs) overrides it; notes() says so
     elif mode == "smoke":  # run_job.sh refuses any other numbers: they are the ones the smoke plan budgets
-        job.update(MODE="smoke", MAX_STEPS=str(recipe.SMOKE_STEPS), SAVE_STEPS=str(recipe.SMOKE_SAVE_STEPS),
-                   EVAL_TASKS=str(recipe.SMOKE_EVAL_TASKS))
+        p = smoke_report.plan(smoke_steps(args, env))
+        job.update(MODE="smoke", MAX_STEPS=str(p["steps"]), SAVE_STEPS=str(p["save_steps"]),
+                   EVAL_TASKS=str(p["eval_tasks"]))
     elif mode == "eval-watch":
         job["N_TASKS"] = str(recipe.SMOKE_WATCH_TASKS if args.smoke else recipe.knob("N_TASKS", env, args.n_tasks))
         if args.smoke:  # stops after the smoke run's final adapter, or idle for the rest of the smoke job's cap
-            job["MAX_IDLE_HOURS"] = recipe.shell_value(smoke_report.seconds(recipe.SMOKE_TIMEOUT) / 3600)
+            job["MAX_IDLE_HOURS"] = recipe.shell_value(smoke_report.plan()["cap_s"] / 3600)
     else:
         job["CHECKPOINT"] = recipe.knob("CHECKPOINT", env, args.checkpoint)
     if args.sandbox != recipe.SANDBOX:
@@ -244,13 +248,29 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
     return {**job, **passed_knobs(mode, args, env)}
 
 
-def notes(mode: str, env: dict[str, str]) -> list[str]:
-    """What the launch does differently from what the environment asks for, said rather than done silently."""
-    asked = env.get("MAX_STEPS", "").strip()
-    if mode == "smoke" and asked and asked != str(recipe.SMOKE_STEPS):
-        return [f"smoke always runs MAX_STEPS={recipe.SMOKE_STEPS}: MAX_STEPS={asked} from the environment is "
-                "ignored (use `train --max-steps N` for a run of another length)"]
+def smoke_steps(args: argparse.Namespace, env: dict[str, str]) -> int:
+    """The smoke's MAX_STEPS (flag, else environment, else the recipe's SMOKE_STEPS): fewer may be asked for."""
+    raw = str(args.max_steps if args.max_steps is not None else env.get("MAX_STEPS", "")).strip()
+    return smoke_report.checked_steps(recipe.whole_number(raw, "MAX_STEPS") if raw else recipe.SMOKE_STEPS)
+
+
+def notes(mode: str, job: dict[str, str]) -> list[str]:
+    """What the launch does differently from what a user may expect, said rather than done silently."""
+    if mode == "train" and job.get("FINAL_EVAL") == "0" and int(job["MAX_STEPS"]) <= recipe.SMOKE_STEPS:
+        return [f"MAX_STEPS={job['MAX_STEPS']} on a train launch: {job['MAX_STEPS']} steps into {job['ADAPTER_REPO']} "
+                f"and its adapter pushed, no final eval (FINAL_EVAL=0; --final-eval 1 asks for the full one); for "
+                "the smoke test (a stop and a resume from the Hub, an eval subset, a go/no-go report) run "
+                "`launch.py smoke`"]
     return []
+
+
+def smoke_timeout(mode: str, args: argparse.Namespace, job: dict[str, str]) -> str | None:
+    """The job's cap for the smoke modes, from the smoke plan's worst case (None: the mode's fixed cap)."""
+    if mode == "smoke":
+        return smoke_report.plan(int(job["MAX_STEPS"]))["timeout"]
+    if mode == "eval-watch" and args.smoke:
+        return smoke_report.duration(smoke_report.plan()["watch_cap_s"])
+    return None
 
 
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
@@ -342,14 +362,17 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train", parents=[common], help=f"full training run ({recipe.TRAIN_FLAVOR})")
     train.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
-    smoke = sub.add_parser("smoke", parents=[common], help=f"every stage at small scale ({recipe.SMOKE_STEPS} steps, "
-                           f"a resume, an eval subset, a go/no-go report) into <ADAPTER_REPO>{SMOKE_SUFFIX}: do this "
-                           "first")
+    smoke = sub.add_parser("smoke", parents=[common], help=f"the recipe's smoke test: every stage at small scale "
+                           f"({recipe.SMOKE_STEPS} steps, a resume, an eval subset, a go/no-go report) into "
+                           f"<ADAPTER_REPO>{SMOKE_SUFFIX}: do this first")
+    smoke.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default and most {recipe.SMOKE_STEPS}, "
+                                           f"least {recipe.SMOKE_MIN_STEPS}); the cap follows from the plan")
     watch = sub.add_parser("eval-watch", parents=[common], help="per-checkpoint eval worker (live learning curve)")
     watch.add_argument("--n-tasks", help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
     watch.add_argument("--smoke", action="store_true",
                        help=f"watch the smoke run's repo (<ADAPTER_REPO>{SMOKE_SUFFIX}) on {recipe.SMOKE_WATCH_TASKS} "
-                            f"tasks; launch it next to `smoke` (cap {recipe.SMOKE_WATCH_TIMEOUT})")
+                            f"tasks; launch it next to `smoke` (cap: the smoke's plus "
+                            f"{recipe.SMOKE_WATCH_EXTRA_S // 60} min)")
     evaluate = sub.add_parser("eval", parents=[common], help="standalone base-vs-adapter eval of one checkpoint")
     evaluate.add_argument("--checkpoint", help="checkpoint-N or final (env CHECKPOINT, default final)")
     for mode, sub_parser in (("train", train), ("smoke", smoke), ("eval-watch", watch), ("eval", evaluate)):
@@ -381,10 +404,10 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     dashboard.checked_reporter(args.report_to)
     job_vars = job_env(mode, adapter_repo, args, env)
     secrets = {"HF_TOKEN": token, **checked_sandbox(args.sandbox, env)}
-    said = {"notes": told} if (told := notes(mode, env)) else {}
-    timeout = recipe.SMOKE_WATCH_TIMEOUT if smoke and mode == "eval-watch" else None
+    said = {"notes": told} if (told := notes(mode, job_vars)) else {}
+    timeout = smoke_timeout(mode, args, job_vars)
     if mode == "smoke":  # what the job will do with its cap: the stage budget it checks itself against
-        said["smoke_plan"] = smoke_report.plan()
+        said["smoke_plan"] = smoke_report.plan(int(job_vars["MAX_STEPS"]))
     if args.dry_run:
         spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets, timeout)
         return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files},

@@ -103,10 +103,13 @@ AGENT_TIMEOUT_SEC = 1500
 # --- Optimisation ------------------------------------------------------------
 LEARNING_RATE = 1e-6
 MAX_STEPS = 1000
-# Smoke run (launch.py smoke, run_job.sh MODE=smoke): every stage of the real job at small scale, inside
-# SMOKE_TIMEOUT with a margin (smoke_report.plan prints it). 6 steps: more than MAX_STALENESS, so the rollout
-# queue runs ahead of the trainer as it will in the real run; the stage budget below decides the count.
-SMOKE_STEPS = 6
+# Smoke run (launch.py smoke, run_job.sh MODE=smoke): every stage of the real job at small scale. The recipe's own
+# "MAX_STEPS=20 gives a ~40-min smoke run — do that first"; more than MAX_STALENESS, so the rollout queue runs ahead
+# of the trainer as it will in the real run. A smaller MAX_STEPS may be asked for, down to SMOKE_MIN_STEPS (a
+# checkpoint, a stop, a resume and a step after it); a larger one is refused. The job's cap follows from the
+# stage budget below (smoke_report.plan).
+SMOKE_STEPS = 20
+SMOKE_MIN_STEPS = 2
 NUM_GENERATIONS = 8  # One GRPO group of 8 rollouts = one task per step.
 MAX_STALENESS = 4
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
@@ -123,7 +126,6 @@ TOOL_BUDGET = MAX_TOOL_CALLING_ITERATIONS
 LAUNCHER_HUB_MIN = "2.1.1"
 TRAIN_FLAVOR = "h200x2"
 TRAIN_TIMEOUT = "72h"
-SMOKE_TIMEOUT = "2h"
 EVAL_FLAVOR = "h200"
 EVAL_WATCH_TIMEOUT = "48h"
 EVAL_TIMEOUT = "12h"
@@ -194,53 +196,74 @@ REPORT_TO = "trackio"
 # Trackio logs on the machine only). Training, the eval watcher and the final eval all log to it.
 DASHBOARD_SPACE = "lfm-opencode-lora-rl-dashboard"
 # --- Smoke run -------------------------------------------------------------
-# The smoke run checkpoints every SMOKE_SAVE_STEPS (steps 2, 4 and 6: three pushes read back from the Hub);
-# its first trainer start stops right after checkpoint-SMOKE_SAVE_STEPS and a second start resumes from the Hub.
-SMOKE_SAVE_STEPS = 2
+# The smoke run checkpoints every SMOKE_SAVE_STEPS (steps 5, 10, 15 and 20: four pushes read back from the Hub; fewer
+# steps save every half of the run at most); its first trainer start stops right after its first checkpoint and a
+# second start resumes from the Hub.
+SMOKE_SAVE_STEPS = 5
 # Held-out tasks of the smoke's final eval (base and adapter: 2 x 4 = 8 cells, one wave at EVAL_CONCURRENCY).
 SMOKE_EVAL_TASKS = 4
 # Tasks of the eval-watch smoke launch (launch.py eval-watch --smoke): one short wave per checkpoint. Its cap: the
-# smoke job's, plus an hour for the waves after the smoke's final adapter lands (base, 3 checkpoints, final).
+# smoke job's, plus this for the waves after the smoke's final adapter lands (base, 4 checkpoints, final).
 SMOKE_WATCH_TASKS = 2
-SMOKE_WATCH_TIMEOUT = "3h"
+SMOKE_WATCH_EXTRA_S = 3600
 # The importance ratio (trainer / vLLM probabilities, TRL's logged `ratio`) the recipe expects with full-vocabulary
 # sampling and bf16 serving; a step outside it means trainer and vLLM disagree on the policy: NO-GO.
 RATIO_MIN = 0.998
 RATIO_MAX = 1.0
 RATIO_TOLERANCE = 0.002  # bf16 rounding of the served logprobs either side of the band, on a per-step mean.
 
-# Smoke stage budget, in seconds (typical durations; smoke_report.plan sums them against SMOKE_TIMEOUT).
-# Job start: the image pull, `pip install huggingface_hub` and the bundle download happen before run_job.sh runs.
+# Smoke stage budget, in seconds: each stage's typical time and its worst case, the longest the job's own limits let
+# it run before it fails anyway. The job's cap is the worst-case total plus SMOKE_MIN_MARGIN, rounded up to
+# SMOKE_CAP_STEP_S (smoke_report.plan); the typical total is what a healthy smoke run costs: the recipe's ~40 min
+# of training plus start-up, about 1 h 45 min.
+# Job start: the image pull, `pip install huggingface_hub` and the bundle download happen before run_job.sh runs;
+# worst: a cold node pulling the ~10 GB vLLM image.
 SMOKE_JOB_START_S = 300
-# Install: apt git/curl + the pinned stack next to the image's torch and vLLM (~105 s for the whole stack with
-# torch measured on a CPU machine; x3 for PyPI and the image's larger dependency set).
+SMOKE_JOB_START_WORST_S = 900
+# Install: the pinned stack next to the image's torch and vLLM (~105 s for the whole stack with torch measured on a
+# CPU machine; x3 for PyPI and the image's larger dependency set; worst x2 for a slow index).
 SMOKE_INSTALL_S = 300
-# OpenEnv clone (blob-less, one commit), the seam check and 1,000 train task folders from the Hub.
+SMOKE_INSTALL_WORST_S = 600
+# The seam check and 1,000 train task folders from the Hub (worst: a slow Hub, twice that).
 SMOKE_PREPARE_S = 300
-# vLLM: ~5 GB of bf16 weights downloaded, loaded and CUDA graphs captured; then the env server and the gateway.
+SMOKE_PREPARE_WORST_S = 600
+# vLLM: ~5 GB of bf16 weights downloaded, loaded and CUDA graphs captured; then the env server and the gateway. Worst:
+# run_job.sh fails a server that is not healthy within READY_TIMEOUT_S.
 SMOKE_SERVERS_S = 600
 # A trainer start: fp32 model load, TRL's rollout child (TRL itself fails past WORKER_START_LIMIT_S) and the cold
 # sync; on the second start also the verified download of the checkpoint (adapter + optimizer state, ~0.5 GB).
 SMOKE_TRAINER_START_S = WORKER_START_LIMIT_S
-# The first step of a run waits for one whole group of NUM_GENERATIONS rollouts (TRL trains a group only when all of
-# it is done), and a rollout may legally run to OpenEnv's call limit (agent timeout AGENT_TIMEOUT_SEC plus sandbox
-# boot and grading): the first start's first step is budgeted at that, a whole slow group.
-SMOKE_SLOW_GROUP_S = TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S
-# Any later step, the resumed start's first step included: the recipe's early step time (~90 s/step before the queue
-# saturates) with a third more. A second slow group overruns this; the smoke deadline then stops the stage and the
-# report says NO-GO within the cap (agents at the timeout twice in 6 steps would make the real run crawl too).
+# Typical step: the recipe's ~40 min for 20 steps.
 SMOKE_STEP_S = 120
-# One checkpoint push (adapter + optimizer state, ~0.5 GB, one commit) or read-back (verified download).
+# Worst case of the rollout-bound stages: every rollout of a wave runs to OpenEnv's call limit (agent timeout
+# AGENT_TIMEOUT_SEC plus sandbox boot and grading) after a task-API call, and TRL trains a group only when all of it
+# is done: the in-flight rollouts finish in waves of this length (smoke_report.plan counts the waves per stage).
+SMOKE_SLOW_WAVE_S = TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S
+# One checkpoint push (adapter + optimizer state, ~0.5 GB, one commit) or read-back (verified download). Worst: every
+# one of PUSH_RETRIES attempts fails but the last, with the backoff between (PUSH_BACKOFF_S doubled each retry).
 SMOKE_PUSH_S = 60
-# Final eval: vLLM restarted in LoRA mode (weights cached), the 250 test task folders, the env server, then one wave
-# of 2 x SMOKE_EVAL_TASKS cells at the typical rollout time (a slow wave overruns: the deadline stops it, NO-GO).
+# Final eval: vLLM restarted in LoRA mode (weights cached), the 250 test task folders, the env server, then the
+# 2 x SMOKE_EVAL_TASKS cells in waves of EVAL_CONCURRENCY at the typical rollout time (worst: SMOKE_SLOW_WAVE_S each).
 SMOKE_EVAL_SERVERS_S = 300
 SMOKE_EVAL_WAVE_S = 600
 # The report: reads the Hub back, pushes smoke_report.json. Reserved at the end: every stage before it runs under a
-# deadline of SMOKE_TIMEOUT minus this and the job start, so a report always lands before the platform kills the job.
+# deadline of the cap minus this and the job start, so a report always lands before the platform kills the job.
 SMOKE_REPORT_S = 180
-# The plan must leave at least this share of SMOKE_TIMEOUT unbudgeted (tests/test_smoke_report.py checks it).
+# The cap leaves at least this share of itself over the worst-case total (tests/test_smoke_report.py checks it), and
+# is rounded up to whole half hours.
 SMOKE_MIN_MARGIN = 0.10
+SMOKE_CAP_STEP_S = 1800
+# The verdict's limits (smoke_report.assess; each failed one is a NO-GO line naming its numbers):
+# - unscorable rollouts: a healthy pipeline loses a few percent to sandboxes and the Hub; over a tenth of a smoke's
+#   ~160 finished rollouts is a shared cause the 72-hour run would pay for at every step.
+SMOKE_MAX_UNSCORABLE = 0.10
+# - samples TRL dropped as stale (issue 29's pipeline goal: at least 95 % of finished rollouts trained).
+SMOKE_MAX_STALE = 0.05
+# - rollouts whose capture forked into more than one training row (a step then trains part of a group).
+SMOKE_MAX_FORK = 0.05
+# - per-rollout setup (sandbox start, healthcheck with its data pull, agent install, verifier) must fit between the
+#   agent timeout and OpenEnv's per-call limit, or a rollout that uses its whole agent time is cut off ungraded.
+SMOKE_MAX_SETUP_S = ROLLOUT_CALL_LIMIT_S - AGENT_TIMEOUT_SEC
 
 # --- Checks shared by every entry point ----------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")

@@ -9,7 +9,7 @@
 # Environment (defaults from recipe.py):
 #   ADAPTER_REPO             required: owner/name of the adapter repo checkpoints are pushed to.
 #   HF_TOKEN                 required (job secret); never printed.
-#   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the ~40-minute smoke run).  SAVE_STEPS=<SAVE_STEPS>
+#   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the recipe's ~40-minute smoke).  SAVE_STEPS=<SAVE_STEPS>
 #   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
 #   SANDBOX=<SANDBOX>        hf-sandbox | daytona (DAYTONA_API_KEY) | e2b (E2B_API_KEY).
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
@@ -20,11 +20,12 @@
 #   WATCH_INTERVAL=<WATCH_INTERVAL_S>  seconds between watchdog checks.  READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   FINAL_EVAL=1             0 skips the final eval (run_eval.sh) after training.
-#   MODE=train               smoke = the smoke run (launch.py smoke): into an -smoke repo it empties first, MAX_STEPS=
-#                            <SMOKE_STEPS> SAVE_STEPS=<SMOKE_SAVE_STEPS>; the trainer stops after the first checkpoint and
-#                            a second start resumes from the Hub; the final eval on EVAL_TASKS=<SMOKE_EVAL_TASKS> test
-#                            tasks; every stage under the plan's deadline (smoke_report.py plan), then the go/no-go
-#                            report (smoke_report.json pushed; exit 1 on NO-GO) whatever happened.
+#   MODE=train               smoke = the smoke run (launch.py smoke): into an -smoke repo it empties first,
+#                            MAX_STEPS=<SMOKE_STEPS> or fewer, SAVE_STEPS and EVAL_TASKS the plan's (smoke_report.py
+#                            plan --knobs --steps N); the trainer stops after the first checkpoint and a second start
+#                            resumes from the Hub; the final eval on the plan's test subset; every stage under the
+#                            plan's deadline (smoke_report.py plan), then the go/no-go report (smoke_report.json
+#                            pushed; exit 1 on NO-GO) whatever happened.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -40,17 +41,20 @@ launch() {
 # run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT SANDBOX TRAIN_FLAVOR SMOKE_STEPS \
-    SMOKE_SAVE_STEPS SMOKE_EVAL_TASKS)
-  [ "${#k[@]}" -eq 10 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT SANDBOX TRAIN_FLAVOR SMOKE_STEPS)
+  [ "${#k[@]}" -eq 8 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
   LOOPBACK="${k[0]}"; TRAINER_GPU="${k[1]}"; VLLM_GPU="${k[2]}"
   OPENENV_GIT="${OPENENV_GIT:-${k[3]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[4]}}"; SANDBOX="${SANDBOX:-${k[5]}}"
   JOB_FLAVOR="${k[6]}"
   env_knobs MODE
   STEPS=9
-  if [ "$MODE" = smoke ]; then  # the smoke plan's numbers unless set (then preflight checks they are the plan's)
-    STEPS=10; SMOKE_PLAN="MAX_STEPS=${k[7]} SAVE_STEPS=${k[8]} EVAL_TASKS=${k[9]}"
-    export MAX_STEPS="${MAX_STEPS:-${k[7]}}" SAVE_STEPS="${SAVE_STEPS:-${k[8]}}" EVAL_TASKS="${EVAL_TASKS:-${k[9]}}"
+  if [ "$MODE" = smoke ]; then  # the smoke plan's numbers for its MAX_STEPS unless set (preflight checks them)
+    STEPS=10; export MAX_STEPS="${MAX_STEPS:-${k[7]}}"
+    env_knobs MAX_STEPS
+    SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan --knobs --steps "$MAX_STEPS" 2>&1)" \
+      || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
+    local plan_save="${SMOKE_PLAN#*SAVE_STEPS=}" plan_eval="${SMOKE_PLAN##*EVAL_TASKS=}"
+    export SAVE_STEPS="${SAVE_STEPS:-${plan_save%% *}}" EVAL_TASKS="${EVAL_TASKS:-$plan_eval}"
   fi
   env_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL \
     READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT EVAL_TASKS
@@ -77,9 +81,9 @@ smoke_preflight() {
   [[ "$ADAPTER_REPO" == *-smoke ]] \
     || die "MODE=smoke empties its repo first: ADAPTER_REPO=$ADAPTER_REPO must end with -smoke (launch.py smoke adds it)"
   [ "MAX_STEPS=$MAX_STEPS SAVE_STEPS=$SAVE_STEPS EVAL_TASKS=$EVAL_TASKS" = "$SMOKE_PLAN" ] \
-    || die "MODE=smoke runs its budgeted plan ($SMOKE_PLAN): change recipe.py's SMOKE_* numbers, not the environment"
-  "$PYTHON" "$HERE/smoke_report.py" plan
-  DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline) ))
+    || die "MODE=smoke runs its budgeted plan ($SMOKE_PLAN): set only MAX_STEPS (at most the recipe's SMOKE_STEPS)"
+  "$PYTHON" "$HERE/smoke_report.py" plan --steps "$MAX_STEPS"
+  DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline --steps "$MAX_STEPS") ))
   STOP_AFTER_STEP="$SAVE_STEPS"
   STAGES_FILE="$WORK_DIR/stages"
   dry_run || { mkdir -p "$WORK_DIR"; : >"$STAGES_FILE"; }

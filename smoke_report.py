@@ -31,7 +31,11 @@ import recipe
 import rollout_guard
 
 REPORT_PATH = "smoke_report.json"
+ROLLOUT_STATE = "rollout_state.json"  # TRL 1.15 writes it into every checkpoint
 SMOKE_SUFFIX = "-smoke"
+# TRL 1.15's per-step metrics the verdict reads (async_grpo_trainer.py): stale-dropped samples, trained samples and
+# trained groups, each counted since the previous logged step.
+STALE_KEY, SAMPLES_KEY, GROUPS_KEY = "sample/dropped_stale_total", "batch/samples_per_step", "batch/groups_per_step"
 VERSIONED = ("vllm", "torch", "trl", "transformers", "peft", "openenv", "harbor")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -46,55 +50,109 @@ def seconds(duration: str) -> int:
     return int(float(number) * (unit or 1))
 
 
+def duration(total_s: int) -> str:
+    """Seconds as a Jobs timeout: whole hours as "8h", else minutes ("90m")."""
+    return f"{total_s // 3600}h" if total_s % 3600 == 0 else f"{-(-total_s // 60)}m"
+
+
 # --- The plan --------------------------------------------------------------------------------------------------------
-def checkpoint_steps(steps: int = recipe.SMOKE_STEPS, save_steps: int = recipe.SMOKE_SAVE_STEPS) -> list[int]:
+def checked_steps(steps: int) -> int:
+    """The smoke's MAX_STEPS: the recipe's SMOKE_STEPS or fewer, enough for a checkpoint, a resume and a step after."""
+    if not recipe.SMOKE_MIN_STEPS <= steps <= recipe.SMOKE_STEPS:
+        raise recipe.ConfigError(
+            f"a smoke run takes MAX_STEPS={recipe.SMOKE_MIN_STEPS}..{recipe.SMOKE_STEPS} (the recipe's smoke test is "
+            f"{recipe.SMOKE_STEPS}; its cap is budgeted for that), not {steps}: use `launch.py train --max-steps "
+            f"{steps}` for a longer run")
+    return steps
+
+
+def save_steps_for(steps: int) -> int:
+    """Checkpoint every SMOKE_SAVE_STEPS, at most every half of the run: the first start stops at the first one."""
+    return max(1, min(recipe.SMOKE_SAVE_STEPS, steps // 2))
+
+
+def checkpoint_steps(steps: int = recipe.SMOKE_STEPS, save_steps: int | None = None) -> list[int]:
     """The checkpoint-N the smoke run pushes: every save_steps, and the last step (the trainer always saves it)."""
-    return sorted({*range(save_steps, steps + 1, save_steps), steps})
+    save = save_steps_for(steps) if save_steps is None else save_steps
+    return sorted({*range(save, steps + 1, save), steps})
 
 
-def plan() -> dict[str, Any]:
-    """Each stage's budget from recipe.py, their sum against SMOKE_TIMEOUT, the margin, and the job's deadline.
+def inflight_groups() -> int:
+    """GRPO groups in flight at once (train_lora.grpo_config's max_inflight_tasks over NUM_GENERATIONS): in the
+    worst case they finish together, one wave per SMOKE_SLOW_WAVE_S."""
+    return max(1, recipe.MAX_STALENESS)
 
-    Stage names are run_job.sh's step names, so the report can set each stage's time against its budget.
+
+def waves(groups: int, per_wave: int) -> int:
+    """Waves of `per_wave` groups needed for `groups` of them."""
+    return -(-groups // per_wave)
+
+
+def push_worst_s() -> float:
+    """One push whose first PUSH_RETRIES - 1 attempts fail, with adapter_repo's doubling backoff between them."""
+    backoff = sum(recipe.PUSH_BACKOFF_S * 2**i for i in range(recipe.PUSH_RETRIES - 1))
+    return recipe.PUSH_RETRIES * recipe.SMOKE_PUSH_S + backoff
+
+
+def plan(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
+    """Each stage's typical and worst-case budget from recipe.py, the cap (the job's timeout) from the worst case, the
+    margin, and the job's deadline. Stage names are run_job.sh's, so the report sets each stage's time against them.
     """
-    steps, resume_at = recipe.SMOKE_STEPS, recipe.SMOKE_SAVE_STEPS
-    pushed = checkpoint_steps()
-    before = [s for s in pushed if s <= resume_at]
-    start, step, push = recipe.SMOKE_TRAINER_START_S, recipe.SMOKE_STEP_S, recipe.SMOKE_PUSH_S
+    steps = checked_steps(steps)
+    save = save_steps_for(steps)
+    resume_at, pushed = save, checkpoint_steps(steps, save)
+    before, after = [s for s in pushed if s <= resume_at], [s for s in pushed if s > resume_at]
+    start, step, push, slow = (recipe.SMOKE_TRAINER_START_S, recipe.SMOKE_STEP_S, recipe.SMOKE_PUSH_S,
+                               recipe.SMOKE_SLOW_WAVE_S)
+    per_wave, worst_push = inflight_groups(), push_worst_s()
+    cells = 2 * recipe.SMOKE_EVAL_TASKS
+    eval_waves = waves(cells, recipe.EVAL_CONCURRENCY)
+    # (stage, typical, worst, what)
     stages = [
-        ("job-start", recipe.SMOKE_JOB_START_S, "image pull, bundle download (before run_job.sh)"),
-        ("install", recipe.SMOKE_INSTALL_S, "pinned stack next to the image's vLLM and torch"),
-        ("prepare", recipe.SMOKE_PREPARE_S, "OpenEnv clone, seam check, train tasks"),
-        ("servers", recipe.SMOKE_SERVERS_S, "vLLM (GPU 1), env server, capture gateway"),
-        ("train", start + recipe.SMOKE_SLOW_GROUP_S + (resume_at - 1) * step + len(before) * push,
-         f"steps 1-{resume_at}: start, a whole slow first group, {resume_at - 1} more step(s), {len(before)} push(es)"),
-        ("resume", start + push + (steps - resume_at) * step + (len(pushed) - len(before) + 1) * push,
-         f"restart from checkpoint-{resume_at} on the Hub, steps {resume_at + 1}-{steps}, "
-         f"{len(pushed) - len(before)} pushes + final"),
-        ("final-eval", recipe.SMOKE_EVAL_SERVERS_S + recipe.SMOKE_EVAL_WAVE_S,
+        ("job-start", recipe.SMOKE_JOB_START_S, recipe.SMOKE_JOB_START_WORST_S,
+         "image pull, bundle download (before run_job.sh)"),
+        ("install", recipe.SMOKE_INSTALL_S, recipe.SMOKE_INSTALL_WORST_S, "pinned stack next to the image's vLLM"),
+        ("prepare", recipe.SMOKE_PREPARE_S, recipe.SMOKE_PREPARE_WORST_S, "seam check, train tasks"),
+        ("servers", recipe.SMOKE_SERVERS_S, recipe.READY_TIMEOUT_S, "vLLM (GPU 1), env server, capture gateway"),
+        ("train", start + resume_at * step + len(before) * push,
+         start + waves(resume_at, per_wave) * slow + len(before) * worst_push,
+         f"steps 1-{resume_at}, {len(before)} push(es); worst: {waves(resume_at, per_wave)} wave(s) of "
+         f"{per_wave} groups at the rollout call limit"),
+        ("resume", start + push + (steps - resume_at) * step + (len(after) + 1) * push,
+         start + worst_push + waves(steps - resume_at, per_wave) * slow + (len(after) + 1) * worst_push,
+         f"restart from checkpoint-{resume_at} on the Hub, steps {resume_at + 1}-{steps}, {len(after)} pushes + final"),
+        ("final-eval", recipe.SMOKE_EVAL_SERVERS_S + eval_waves * recipe.SMOKE_EVAL_WAVE_S,
+         recipe.READY_TIMEOUT_S + eval_waves * slow,
          f"LoRA-mode vLLM, {recipe.SMOKE_EVAL_TASKS} test tasks x base/adapter"),
-        ("report", len(pushed) * push + recipe.SMOKE_REPORT_S,
+        ("report", len(pushed) * push + recipe.SMOKE_REPORT_S, len(pushed) * push + recipe.SMOKE_REPORT_S,
          f"{len(pushed)} checkpoints read back from the Hub, {REPORT_PATH} pushed"),
     ]
-    cap = seconds(recipe.SMOKE_TIMEOUT)
-    total = sum(budget for _, budget, _ in stages)
+    typical = sum(t for _, t, _, _ in stages)
+    worst = sum(w for _, _, w, _ in stages)
+    cap = int(-(-worst / (1 - recipe.SMOKE_MIN_MARGIN) // recipe.SMOKE_CAP_STEP_S) * recipe.SMOKE_CAP_STEP_S)
+    report = stages[-1][2]
     return {
-        "cap_s": cap, "steps": steps, "save_steps": recipe.SMOKE_SAVE_STEPS, "resume_at": resume_at,
+        "cap_s": cap, "timeout": duration(cap), "steps": steps, "save_steps": save, "resume_at": resume_at,
         "checkpoints": pushed, "eval_tasks": recipe.SMOKE_EVAL_TASKS,
-        "stages": [{"stage": name, "budget_s": budget, "what": what} for name, budget, what in stages],
-        "total_s": total, "margin_s": cap - total, "margin_frac": round((cap - total) / cap, 3),
+        "stages": [{"stage": n, "budget_s": round(t), "worst_s": round(w), "what": what} for n, t, w, what in stages],
+        "total_s": round(typical), "worst_s": round(worst), "margin_s": round(cap - worst),
+        "margin_frac": round((cap - worst) / cap, 3),
         # run_job.sh's stages must end by then (from its own start), leaving the report its reserved time.
-        "deadline_s": cap - stages[0][1] - stages[-1][1],
+        "deadline_s": round(cap - recipe.SMOKE_JOB_START_WORST_S - report),
+        # The eval-watch smoke job: the smoke's cap, then the waves after its final adapter lands.
+        "watch_cap_s": cap + recipe.SMOKE_WATCH_EXTRA_S,
     }
 
 
 def render_plan(p: dict[str, Any]) -> str:
     """The plan as the job and `launch.py smoke --dry-run` print it."""
-    lines = [f"smoke plan: {p['steps']} steps, checkpoints {p['checkpoints']}, resume from "
-             f"checkpoint-{p['resume_at']}, eval on {p['eval_tasks']} test tasks; cap {p['cap_s']} s"]
-    lines += [f"  {s['stage']:<11} {s['budget_s']:>5} s  {s['what']}" for s in p["stages"]]
-    lines.append(f"  {'total':<11} {p['total_s']:>5} s  margin {p['margin_s']} s ({p['margin_frac']:.0%} of the cap); "
-                 f"stages stop at +{p['deadline_s']} s so the report always lands")
+    lines = [f"smoke plan: MAX_STEPS={p['steps']}, checkpoints {p['checkpoints']}, resume from "
+             f"checkpoint-{p['resume_at']}, eval on {p['eval_tasks']} test tasks; timeout {p['timeout']}"]
+    lines.append(f"  {'stage':<11} {'typical':>7} {'worst':>7}")
+    lines += [f"  {s['stage']:<11} {s['budget_s']:>5} s {s['worst_s']:>5} s  {s['what']}" for s in p["stages"]]
+    lines.append(f"  {'total':<11} {p['total_s']:>5} s {p['worst_s']:>5} s  timeout {p['cap_s']} s: margin "
+                 f"{p['margin_s']} s ({p['margin_frac']:.0%}) over the worst case; stages stop at +{p['deadline_s']} s "
+                 "so the report always lands")
     return "\n".join(lines)
 
 
@@ -151,6 +209,8 @@ def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
     sync_ms = [v * 1000 for v in _values(logs, "perf/weight_sync_s")]
     fused = _values(logs, "perf/weight_sync_fused_tensors")
     fork = _values(logs, "rollout/fork_frac")
+    # TRL's own per-step counts: samples it dropped as stale (logged only on a step that dropped some) and trained.
+    dropped, trained = sum(_values(logs, STALE_KEY)), sum(_values(logs, SAMPLES_KEY))
     return {
         "steps_done": max((int(e["step"]) for e in logs), default=0),
         "step_s": {"median": statistics.median(step_s), "max": max(step_s)} if step_s else None,
@@ -159,6 +219,8 @@ def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
         # Tensors the last sync sent through the checked fused kernel (0: cuBLAS's path only, e.g. on CPU).
         "fused_tensors": int(fused[-1]) if fused else None,
         "fork_frac": statistics.fmean(fork) if fork else None,
+        "dropped_stale": dropped, "samples_trained": trained,
+        "stale_frac": dropped / (dropped + trained) if dropped + trained else None,
     }
 
 
@@ -174,7 +236,14 @@ def resume(train_log: dict[str, Any] | None, at: int) -> dict[str, Any]:
     ok = last.get("resumed_from") == at and last.get("global_step") == at and first == at + 1
     why = (f"resumed_from {last.get('resumed_from')}, state began at step {last.get('global_step')}, "
            f"first step trained {first}")
-    return {"verified": ok, "from": last.get("resumed_from"), "why": why}
+    return {"verified": ok, "from": last.get("resumed_from"), "why": why, "consumed": consumed(train_log, at)}
+
+
+def consumed(train_log: dict[str, Any] | None, at: int) -> int:
+    """Groups the first start used up by its step `at`, at least: the ones it trained and the ones TRL dropped as
+    stale (whole groups of NUM_GENERATIONS samples). A resume must start past all of them."""
+    logs = [e for e in (train_log or {}).get("logs", []) if e.get("start") == 0 and int(e.get("step", 0)) <= at]
+    return int(sum(_values(logs, GROUPS_KEY)) + sum(_values(logs, STALE_KEY)) // recipe.NUM_GENERATIONS)
 
 
 def verify_checkpoints(api: Any, repo_id: str, steps: Iterable[int], work: Path) -> list[dict[str, Any]]:
@@ -182,12 +251,15 @@ def verify_checkpoints(api: Any, repo_id: str, steps: Iterable[int], work: Path)
     the one resume uses), and its trainer state saying that step."""
     found = []
     for step in steps:
-        entry: dict[str, Any] = {"step": step, "verified": False, "files": 0, "bytes": 0, "error": None}
+        entry: dict[str, Any] = {"step": step, "verified": False, "files": 0, "bytes": 0, "error": None,
+                                 "prompt_index": None}
         try:
             local = adapter_repo.download_checkpoint(api, repo_id, step, work)
             files = [p for p in local.rglob("*") if p.is_file()]
             state = json.loads((local / "trainer_state.json").read_text())
             entry.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
+            if (local / ROLLOUT_STATE).is_file():  # TRL's resume position: the next start's first prompt
+                entry["prompt_index"] = json.loads((local / ROLLOUT_STATE).read_text()).get("prompt_index")
             if state.get("global_step") != step:
                 entry["error"] = f"trainer_state.json says step {state.get('global_step')}"
             else:
@@ -261,22 +333,84 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     reasons += [f"checkpoint-{s} was never checked" for s in missing]
     if expect.get("resume_at") and not report["resume"]["verified"]:
         reasons.append(f"resume from checkpoint-{expect['resume_at']} not verified: {report['resume']['why']}")
-    rollouts = report["rollouts"]
-    if rollouts is None:
-        reasons.append("no rollout counts (rollouts.json missing): the rollout worker never finished a rollout")
-    else:
-        if rollouts.get("stopped"):
-            reasons.append(f"rollout guard stopped the run: {rollouts['stopped']}")
-        if not rollouts.get("scored"):
-            reasons.append("no rollout was scored")
+    if expect.get("resume_at"):
+        reasons += resume_position(report, expect["resume_at"])
+    reasons += rollout_reasons(report["rollouts"], limits(expect), expect.get("sandbox", True))
+    reasons += pipeline_reasons(train, limits(expect))
     if expect.get("eval"):
         ev = report["eval"]
         if ev is None or not ev["complete"]:
             reasons.append("final eval on the subset did not complete")
         else:
-            reasons += [f"eval: no {side} cell was scored" for side in ("base", "adapter") if not ev[side]["scored"]]
+            for side in ("base", "adapter"):
+                cells = ev[side]
+                if (cells["scored"] or 0) < (cells["tasks"] or 0) or cells["unscorable"]:
+                    reasons.append(f"eval: {cells['scored'] or 0} of {cells['tasks'] or 0} {side} cells scored "
+                                   f"({cells['unscorable'] or 0} unscorable): a smoke eval scores every cell")
     if not report["versions"]["fetch_training_trace"]:
         reasons.append("OpenEnv's HarborSession has no fetch_training_trace() (TRL 1.15 needs it)")
+    return reasons
+
+
+def limits(expect: dict[str, Any]) -> dict[str, float]:
+    """The verdict's limits: recipe.py's, unless `expect` names others (the rehearsal injects faults on purpose)."""
+    return {"unscorable": recipe.SMOKE_MAX_UNSCORABLE, "stale": recipe.SMOKE_MAX_STALE, "fork": recipe.SMOKE_MAX_FORK,
+            "setup_s": recipe.SMOKE_MAX_SETUP_S, **(expect.get("limits") or {})}
+
+
+def resume_position(report: dict[str, Any], at: int) -> list[str]:
+    """The second start must begin past every group the first consumed (TRL's rollout_state.json in checkpoint-at)."""
+    entry = next((c for c in report["checkpoints"] if c["step"] == at), None)
+    index = entry and entry.get("prompt_index")
+    need = report["resume"].get("consumed") or 0
+    if index is None:
+        return [f"checkpoint-{at} has no {ROLLOUT_STATE} prompt_index: the resume position is unknown"]
+    if index < need:
+        return [f"resume position {index} (checkpoint-{at}'s {ROLLOUT_STATE}) is before the {need} groups the first "
+                "start consumed: a relaunch would train them again"]
+    return []
+
+
+def rollout_reasons(rollouts: dict[str, Any] | None, limit: dict[str, float], sandbox: bool) -> list[str]:
+    """The rollout side: the guard's stop, scored rollouts, unscorable share by class, per-rollout setup time."""
+    if rollouts is None:
+        return ["no rollout counts (rollouts.json missing): the rollout worker never finished a rollout"]
+    reasons = []
+    if rollouts.get("stopped"):
+        reasons.append(f"rollout guard stopped the run: {rollouts['stopped']}")
+    finished, lost = rollouts.get("rollouts") or 0, rollouts.get("unscorable_total") or 0
+    if not rollouts.get("scored"):
+        reasons.append("no rollout was scored")
+    if finished and lost / finished > limit["unscorable"]:
+        classes = ", ".join(f"{c} {n}" for c, n in (rollouts.get("unscorable") or {}).items() if n)
+        reasons.append(f"{lost} of {finished} finished rollouts unscorable ({lost / finished:.0%} > "
+                       f"{limit['unscorable']:.0%}): {classes}")
+    timing = rollouts.get("timing")
+    if sandbox and not (timing and timing.get("count")):
+        reasons.append("per-rollout setup time not measured (no timing in rollouts.json): sandbox start, data pull, "
+                       "agent install and verifier are unchecked")
+    elif timing and timing.get("count"):
+        worst = (timing.get("max") or {}).get("setup_s")
+        if worst is not None and worst > limit["setup_s"]:
+            reasons.append(f"per-rollout setup took up to {worst:.0f} s > {limit['setup_s']:.0f} s (OpenEnv's call "
+                           "limit minus the agent timeout): a rollout that uses its agent time is cut off ungraded")
+    return reasons
+
+
+def pipeline_reasons(train: dict[str, Any], limit: dict[str, float]) -> list[str]:
+    """What the trainer learns from: TRL's stale drops and the capture's forks within their limits, both logged."""
+    reasons = []
+    if train["stale_frac"] is None:
+        reasons.append(f"no trained samples logged ({SAMPLES_KEY}): the stale-drop share is unknown")
+    elif train["stale_frac"] > limit["stale"]:
+        reasons.append(f"TRL dropped {train['dropped_stale']:.0f} samples as stale against "
+                       f"{train['samples_trained']:.0f} trained ({train['stale_frac']:.0%} > {limit['stale']:.0%}): "
+                       "finished sandbox work thrown away (recipe.py MAX_STALENESS and the in-flight count)")
+    if train["fork_frac"] is None:
+        reasons.append("rollout/fork_frac not logged: whether a step trains whole groups is unknown")
+    elif train["fork_frac"] > limit["fork"]:
+        reasons.append(f"fork fraction {train['fork_frac']:.2f} > {limit['fork']:.2f}: captured rollouts split into "
+                       "several training rows, so a step trains part of a group")
     return reasons
 
 
@@ -290,7 +424,7 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
         "stages": [{**s, "budget_s": budgets.get(s["stage"])} for s in stages],
         "training": training(train_log),
         "rollouts": None if ledger is None else {k: ledger.get(k) for k in (
-            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "stopped")},
+            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "stopped", "timing")},
         "checkpoints": checkpoints,
         "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
         "eval": evaluation(eval_doc),
@@ -320,8 +454,12 @@ def render(report: dict[str, Any]) -> str:
         f"  steps {t['steps_done']}/{report['expect']['steps']}; step time median {num(step_s.get('median'), '.1f')} s,"
         f" max {num(step_s.get('max'), '.1f')} s",
         f"  rollouts {num(r.get('rollouts'))} finished, {num(r.get('scored'))} scored, {num(r.get('timed_out'))} timed "
-        f"out, {num(r.get('unscorable_total'))} unscorable {json.dumps(r.get('unscorable'))}; fork_frac "
-        f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}",
+        f"out, {num(r.get('unscorable_total'))} unscorable {json.dumps(r.get('unscorable'))}",
+        f"  trained {num(t['samples_trained'])} samples, {num(t['dropped_stale'])} dropped stale (stale "
+        f"{num(t['stale_frac'], '.1%') if t['stale_frac'] is not None else '-'}); fork_frac "
+        f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}; setup max "
+        f"{num(((r.get('timing') or {}).get('max') or {}).get('setup_s'))} s over "
+        f"{num((r.get('timing') or {}).get('count'))} timed rollouts",
         f"  importance ratio {num(ratio and ratio['min'], '.4f')}-{num(ratio and ratio['max'], '.4f')} (band "
         f"{t['ratio_band'][0]:.4f}-{t['ratio_band'][1]:.4f}); sync median {num(sync.get('median'), '.1f')} ms, max "
         f"{num(sync.get('max'), '.1f')} ms; fused tensors {num(fused)}",
@@ -377,6 +515,10 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
     total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers)
                            for c in rollout_guard.FAILURE_CLASSES}
     total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
+    timings = [d["timing"] for d in ledgers if d.get("timing")]
+    total["timing"] = {"count": sum(t.get("count") or 0 for t in timings),
+                       "max": {k: max(t["max"][k] for t in timings if k in (t.get("max") or {}))
+                               for k in {k for t in timings for k in (t.get("max") or {})}}} if timings else None
     return total
 
 
@@ -406,10 +548,16 @@ def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]]
                  eval_doc if expect.get("eval") else None, versions(openenv_dir, session_class), expect, files)
 
 
-def expect_smoke() -> dict[str, Any]:
+def expect_smoke(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
     """What a smoke job must have done (its plan)."""
-    p = plan()
+    p = plan(steps)
     return {"steps": p["steps"], "checkpoints": p["checkpoints"], "resume_at": p["resume_at"], "eval": True}
+
+
+def plan_knobs(steps: int) -> str:
+    """The job environment a smoke of `steps` runs with (run_job.sh's smoke preflight compares its own to it)."""
+    p = plan(steps)
+    return f"MAX_STEPS={p['steps']} SAVE_STEPS={p['save_steps']} EVAL_TASKS={p['eval_tasks']}"
 
 
 def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = None) -> int:
@@ -418,14 +566,22 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
     show = sub.add_parser("plan", help="print the stage budget")
     show.add_argument("--json", action="store_true")
     show.add_argument("--deadline", action="store_true", help="print only the seconds run_job.sh's stages may take")
+    show.add_argument("--knobs", action="store_true", help="print only the plan's MAX_STEPS, SAVE_STEPS, EVAL_TASKS")
+    show.add_argument("--steps", type=int, default=recipe.SMOKE_STEPS,
+                      help=f"the smoke's MAX_STEPS ({recipe.SMOKE_MIN_STEPS}..{recipe.SMOKE_STEPS})")
     sub.add_parser("clear", help="empty the -smoke ADAPTER_REPO before a smoke run")
     rep = sub.add_parser("report", help="build, print and push the go/no-go report; exit 1 on NO-GO")
     rep.add_argument("--work-dir", type=Path, required=True, help="run_job.sh's WORK_DIR")
     rep.add_argument("--stages", type=Path, required=True, help="run_job.sh's stage records")
     args = parser.parse_args(argv)
     if args.command == "plan":
-        print(plan()["deadline_s"] if args.deadline else json.dumps(plan(), indent=1) if args.json
-              else render_plan(plan()))
+        try:
+            p = plan(args.steps)
+        except recipe.ConfigError as error:
+            print(f"smoke_report: {error}", file=sys.stderr)
+            return 2
+        print(p["deadline_s"] if args.deadline else plan_knobs(args.steps) if args.knobs
+              else json.dumps(p, indent=1) if args.json else render_plan(p))
         return 0
     try:
         repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO")
@@ -447,7 +603,8 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
             print(f"smoke_report: {error}", file=sys.stderr)
             return 2
         return 0
-    report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(),
+    steps = int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS)
+    report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(steps),
                      openenv_dir=args.work_dir / "OpenEnv")
     (args.work_dir / REPORT_PATH).write_text(json.dumps(report, indent=1, sort_keys=True))
     print(render(report), flush=True)

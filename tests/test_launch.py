@@ -32,8 +32,9 @@ CODE = "alice/lfm-opencode-lora-rl-code"
 # What the recipe says each job is (recipe.txt "Launch"/"Evaluation"), written out on purpose.
 EXPECTED = {
     "train": ("run_job.sh", "h200x2", "72h", {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "REPORT_TO": "trackio"}),
-    "smoke": ("run_job.sh", "h200x2", "2h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MODE": "smoke", "MAX_STEPS": "6",
-                                             "SAVE_STEPS": "2", "EVAL_TASKS": "4", "REPORT_TO": "trackio"}),
+    # The recipe's "MAX_STEPS=20 gives a ~40-min smoke run"; the cap is the plan's worst case with its margin.
+    "smoke": ("run_job.sh", "h200x2", "8h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MODE": "smoke", "MAX_STEPS": "20",
+                                             "SAVE_STEPS": "5", "EVAL_TASKS": "4", "REPORT_TO": "trackio"}),
     "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
                                                         "REPORT_TO": "trackio"}),
     "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final", "REPORT_TO": "trackio"}),
@@ -424,7 +425,9 @@ def test_smoke_dry_run_shows_the_stage_budget(capsys, bundle):
     rc, out, _ = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env())
     plan = json.loads(out)["smoke_plan"]
     assert rc == 0 and plan == smoke_report.plan()
-    assert plan["steps"] == 6 and plan["checkpoints"] == [2, 4, 6] and plan["margin_s"] > 0
+    assert plan["steps"] == 20 and plan["checkpoints"] == [5, 10, 15, 20] and plan["margin_s"] > 0
+    assert json.loads(out)["job"]["timeout"] == plan["timeout"] == "8h"
+    assert {s["stage"]: s["worst_s"] for s in plan["stages"]}["servers"] == recipe.READY_TIMEOUT_S
     assert [s["stage"] for s in plan["stages"]][4:6] == ["train", "resume"]
 
 
@@ -432,9 +435,9 @@ def test_eval_watch_smoke_watches_the_smoke_repo_on_a_few_tasks(capsys, bundle):
     rc, out, _ = run_main(capsys, ["eval-watch", "--smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env())
     job = json.loads(out)["job"]
     assert rc == 0 and "smoke_plan" not in json.loads(out)
-    assert job["env"] == {"ADAPTER_REPO": ADAPTER + "-smoke", "N_TASKS": "2", "MAX_IDLE_HOURS": "2",
+    assert job["env"] == {"ADAPTER_REPO": ADAPTER + "-smoke", "N_TASKS": "2", "MAX_IDLE_HOURS": "8",
                           "REPORT_TO": "trackio"}
-    assert (job["flavor"], job["timeout"]) == ("h200", "3h")
+    assert (job["flavor"], job["timeout"]) == ("h200", "9h")  # the smoke's cap, plus an hour for the last waves
 
 
 def test_smoke_ignores_the_real_runs_final_adapter(capsys, monkeypatch, bundle, tmp_path):
@@ -545,15 +548,29 @@ def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
                                                          "EVAL_CONCURRENCY": "4", "REPORT_TO": "trackio"}
 
 
-def test_smoke_says_it_ignores_max_steps(capsys, bundle):
-    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="5"))
-    plan = json.loads(out)
-    assert rc == 0 and plan["job"]["env"]["MAX_STEPS"] == "6"
-    note = "smoke always runs MAX_STEPS=6: MAX_STEPS=5 from the environment is ignored"
-    assert note in plan["notes"][0]
-    assert err.count("\n") == 1 and err.startswith("launch.py: note: ") and note in err
-    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="6"))
-    assert rc == 0 and err == "" and "notes" not in json.loads(out)
+def test_a_shorter_smoke_may_be_asked_for_and_a_longer_one_is_refused(capsys, bundle):
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle), "--max-steps", "7"], base_env())
+    done = json.loads(out)
+    assert rc == 0 and err == "" and "notes" not in done
+    assert {k: done["job"]["env"][k] for k in ("MAX_STEPS", "SAVE_STEPS")} == {"MAX_STEPS": "7", "SAVE_STEPS": "3"}
+    assert done["smoke_plan"] == smoke_report.plan(7) and done["job"]["timeout"] == smoke_report.plan(7)["timeout"]
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="21"))
+    assert rc != 0 and out == "" and err.count("\n") == 1
+    assert "a smoke run takes MAX_STEPS=2..20" in err and "launch.py train --max-steps 21" in err
+
+
+def test_a_smoke_sized_train_launch_skips_the_full_final_eval_and_says_so(capsys, bundle):
+    """The recipe's own way, MAX_STEPS=20 on a plain train launch: no 250-task final eval unless asked for."""
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="20"))
+    done = json.loads(out)
+    assert rc == 0 and done["job"]["env"]["FINAL_EVAL"] == "0"
+    assert err.count("\n") == 1 and err.startswith("launch.py: note: MAX_STEPS=20 on a train launch") \
+        and "run `launch.py smoke`" in err
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--final-eval", "1"],
+                            base_env(MAX_STEPS="20"))
+    assert rc == 0 and json.loads(out)["job"]["env"]["FINAL_EVAL"] == "1" and err == ""
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="21"))
+    assert rc == 0 and "FINAL_EVAL" not in json.loads(out)["job"]["env"] and err == ""
 
 
 # The job scripts' own preflight runs the launcher's checks: same value, same line, before step 1.

@@ -19,6 +19,7 @@ import pytest
 from stubs.procs import free_port
 
 import recipe
+import smoke_report
 
 ROOT = Path(__file__).resolve().parents[1]
 STUBS = Path(__file__).resolve().parent / "stubs"
@@ -52,7 +53,8 @@ def job(tmp_path):
         ADAPTER_REPO="you/LFM2.5-2.6B-opencode-lora-RL",
         HF_TOKEN=SECRET, JOB_ID="job123", MAX_STEPS="3", PUBLIC_HOST="127.0.0.1", WATCH_INTERVAL="0.2",
         WAIT_POLL="0.2", READY_TIMEOUT="30", STALL_SECONDS="30", STUB_POLICY_PORT=str(ports["POLICY_PORT"]),
-        RUN_JOB_TEST_TOKEN=token, **{k: str(v) for k, v in ports.items()},
+        RUN_JOB_TEST_TOKEN=token, REAL_SMOKE_REPORT=str(ROOT / "smoke_report.py"),
+        **{k: str(v) for k, v in ports.items()},
     )
     return {"app": app, "env": env, "tmp": tmp_path, "token": token, "ports": ports}
 
@@ -199,16 +201,17 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     out = run_job(job, DRY_RUN="1", STUB_GPUS="none", **SMOKE)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    assert "smoke plan: (stub)" in lines  # smoke_report.py plan, printed by the preflight
+    plan = smoke_report.plan()  # printed by the preflight: the real plan, with the job's cap
+    assert smoke_report.render_plan(plan).splitlines()[0] in lines and plan["steps"] == recipe.SMOKE_STEPS == 20
     commands = [shlex.split(line[4:]) for line in lines if line.startswith("  $ ")]
     clear = next(i for i, line in enumerate(lines) if line.endswith("smoke_report.py clear"))
     trainers = [i for i, line in enumerate(lines) if line.startswith("  $ env CUDA_VISIBLE_DEVICES=0")]
     starts = [c for c in commands if c[-1].endswith("train_lora.py")]
     assert len(starts) == 2 and clear < trainers[0] < trainers[1]
     first, second = starts
-    assert "STOP_AFTER_STEP=2" in first and not any(a.startswith("STOP_AFTER_STEP") for a in second)
+    assert "STOP_AFTER_STEP=5" in first and not any(a.startswith("STOP_AFTER_STEP") for a in second)
     for start in starts:
-        assert {"MAX_STEPS=6", "SAVE_STEPS=2", "RESUME=1"} <= set(start)
+        assert {"MAX_STEPS=20", "SAVE_STEPS=5", "RESUME=1"} <= set(start)
     work = job["tmp"] / "work"
     assert f"OUTPUT_DIR={work}/output" in first and f"OUTPUT_DIR={work}/output-resume" in second
     for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
@@ -224,7 +227,9 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
 @pytest.mark.parametrize(("extra", "message"), [
     ({"ADAPTER_REPO": "you/LFM2.5-2.6B-opencode-lora-RL"}, "ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL must end "
                                                             "with -smoke"),
-    ({"MAX_STEPS": "20"}, "MODE=smoke runs its budgeted plan (MAX_STEPS=6 SAVE_STEPS=2 EVAL_TASKS=4)"),
+    ({"MAX_STEPS": "21"}, "a smoke run takes MAX_STEPS=2..20"),
+    ({"MAX_STEPS": "7", "SAVE_STEPS": "5"},
+     "MODE=smoke runs its budgeted plan (MAX_STEPS=7 SAVE_STEPS=3 EVAL_TASKS=4)"),
     ({"MODE": "quick"}, "MODE='quick' is not one of train, smoke"),
 ])
 def test_smoke_bad_input_stops_at_once(job, extra, message):
@@ -235,6 +240,15 @@ def test_smoke_bad_input_stops_at_once(job, extra, message):
     assert stub_log(job) == []
 
 
+def test_a_shorter_smoke_takes_its_plans_checkpoints(job):
+    """MAX_STEPS below the recipe's 20: the plan's save steps for it (the first start stops at its first checkpoint)."""
+    out = run_job(job, DRY_RUN="1", STUB_GPUS="none", MODE="smoke", ADAPTER_REPO=SMOKE_REPO, MAX_STEPS="7")
+    assert out.returncode == 0, out.stderr
+    starts = [shlex.split(line[4:]) for line in out.stdout.splitlines() if line.endswith("train_lora.py")]
+    assert len(starts) == 2 and "STOP_AFTER_STEP=3" in starts[0]
+    assert all({"MAX_STEPS=7", "SAVE_STEPS=3"} <= set(start) for start in starts)
+
+
 def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     out = run_job(job, **SMOKE)
     assert out.returncode == 0, out.stdout + out.stderr
@@ -243,7 +257,7 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert kinds == ["pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "smoke_report",
                      "trainer", "trainer", "run_eval", "smoke_report"], log
     assert log[8] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"
-    assert "STOP_AFTER_STEP=2" in log[9] and "STOP_AFTER_STEP=None" in log[10]
+    assert "STOP_AFTER_STEP=5" in log[9] and "STOP_AFTER_STEP=None" in log[10]
     assert "EVAL_TASKS=4 training_vllm=down" in log[11]
     steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",
              "resume", "final-eval"]

@@ -14,6 +14,8 @@ import smoke_report
 from tests.hub_double import LocalHub
 
 REPO = "you/LFM2.5-2.6B-opencode-lora-RL-smoke"
+# A 6-step smoke checkpointed every 2 (recipe.SMOKE_SAVE_STEPS=2), the first start stopped at 2: its plan, as the
+# report builder is given it.
 EXPECT = {"steps": 6, "checkpoints": [2, 4, 6], "resume_at": 2, "eval": True}
 VERSIONS = {"vllm": "0.31.0", "torch": "2.13.0", "trl": "1.15.0", "transformers": "5.17.0", "peft": "0.21.2",
             "openenv": "0.10.0", "harbor": "0.25.0", "openenv_commit": recipe.OPENENV_COMMIT,
@@ -21,40 +23,65 @@ VERSIONS = {"vllm": "0.31.0", "torch": "2.13.0", "trl": "1.15.0", "transformers"
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
-def test_the_plan_fits_the_cap_with_its_margin():
+def test_the_smoke_is_the_recipes_twenty_steps_with_checkpoints_a_stop_and_a_resume():
     plan = smoke_report.plan()
-    assert plan["cap_s"] == smoke_report.seconds(recipe.SMOKE_TIMEOUT) == 7200
-    assert plan["total_s"] == sum(s["budget_s"] for s in plan["stages"])
-    assert plan["margin_s"] == plan["cap_s"] - plan["total_s"]
-    assert plan["margin_s"] >= recipe.SMOKE_MIN_MARGIN * plan["cap_s"], smoke_report.render_plan(plan)
+    assert plan["steps"] == recipe.SMOKE_STEPS == 20  # the recipe's "MAX_STEPS=20 gives a ~40-min smoke run"
+    assert plan["checkpoints"] == [5, 10, 15, 20] and plan["resume_at"] == 5 == plan["save_steps"]
+    assert plan["steps"] > recipe.MAX_STALENESS  # the rollout queue runs ahead of the trainer, as in the real run
     # Every stage of the real job is budgeted, in run order.
     assert [s["stage"] for s in plan["stages"]] == ["job-start", "install", "prepare", "servers", "train", "resume",
                                                     "final-eval", "report"]
-    # The report (checkpoints read back, report pushed) always has its reserved time before the platform's kill.
-    report = plan["stages"][-1]["budget_s"]
-    assert report == len(plan["checkpoints"]) * recipe.SMOKE_PUSH_S + recipe.SMOKE_REPORT_S
-    assert plan["deadline_s"] + recipe.SMOKE_JOB_START_S + report == plan["cap_s"]
 
 
-def test_the_first_step_is_budgeted_as_a_whole_slow_group():
-    """TRL trains a group only when all 8 rollouts are done, and one may run to OpenEnv's rollout call limit."""
-    train = next(s for s in smoke_report.plan()["stages"] if s["stage"] == "train")
-    assert train["budget_s"] >= recipe.WORKER_START_LIMIT_S + recipe.ROLLOUT_CALL_LIMIT_S > recipe.AGENT_TIMEOUT_SEC
-
-
-def test_the_plan_is_computed_from_the_recipe_and_a_grown_stage_breaks_it(monkeypatch):
-    margin = smoke_report.plan()["margin_s"]
-    monkeypatch.setattr(recipe, "SMOKE_STEP_S", recipe.SMOKE_STEP_S + margin)  # every step but the slow first
-    grown = smoke_report.plan()
-    assert grown["margin_s"] == margin - (recipe.SMOKE_STEPS - 1) * margin < 0
-
-
-def test_the_smoke_pushes_at_least_two_checkpoints_and_resumes_from_one_before_the_end():
+def test_the_timeout_is_the_worst_case_with_its_margin_and_no_more():
     plan = smoke_report.plan()
-    assert plan["checkpoints"] == smoke_report.checkpoint_steps() == [2, 4, 6]
-    assert len(plan["checkpoints"]) >= 2 and plan["resume_at"] in plan["checkpoints"]
-    assert plan["resume_at"] < plan["steps"] and plan["steps"] > recipe.MAX_STALENESS
-    assert smoke_report.checkpoint_steps(7, 3) == [3, 6, 7]
+    assert plan["worst_s"] == sum(s["worst_s"] for s in plan["stages"])
+    assert plan["total_s"] == sum(s["budget_s"] for s in plan["stages"]) < plan["worst_s"]
+    assert plan["cap_s"] == smoke_report.seconds(plan["timeout"])
+    assert plan["margin_s"] == plan["cap_s"] - plan["worst_s"]
+    assert plan["margin_s"] >= recipe.SMOKE_MIN_MARGIN * plan["cap_s"], smoke_report.render_plan(plan)
+    # Rounded up to the next step, not beyond it: one step less would not leave the margin.
+    assert (plan["cap_s"] - recipe.SMOKE_CAP_STEP_S) * (1 - recipe.SMOKE_MIN_MARGIN) < plan["worst_s"]
+    # The typical smoke: the recipe's ~40 min of training plus start-up, far inside the cap.
+    steps_s = recipe.SMOKE_STEPS * recipe.SMOKE_STEP_S
+    assert steps_s == 40 * 60 and plan["total_s"] < plan["cap_s"] / 3
+    # The report (checkpoints read back, report pushed) always has its reserved time before the platform's kill.
+    report = plan["stages"][-1]["worst_s"]
+    assert report == len(plan["checkpoints"]) * recipe.SMOKE_PUSH_S + recipe.SMOKE_REPORT_S
+    assert plan["deadline_s"] + recipe.SMOKE_JOB_START_WORST_S + report == plan["cap_s"]
+    assert plan["watch_cap_s"] == plan["cap_s"] + recipe.SMOKE_WATCH_EXTRA_S
+
+
+def test_the_worst_case_has_every_wave_of_rollouts_at_the_call_limit():
+    """TRL trains a group only when all 8 rollouts are done, and each may run to OpenEnv's rollout call limit: the
+    in-flight groups then finish together, one wave per SMOKE_SLOW_WAVE_S."""
+    plan = smoke_report.plan()
+    stages = {s["stage"]: s for s in plan["stages"]}
+    per_wave = smoke_report.inflight_groups()
+    waves = -(-5 // per_wave) + -(-15 // per_wave)
+    assert stages["train"]["worst_s"] + stages["resume"]["worst_s"] >= waves * recipe.SMOKE_SLOW_WAVE_S
+    assert recipe.SMOKE_SLOW_WAVE_S >= recipe.ROLLOUT_CALL_LIMIT_S > recipe.AGENT_TIMEOUT_SEC
+    assert stages["servers"]["worst_s"] == recipe.READY_TIMEOUT_S  # the job fails a server past it anyway
+
+
+def test_the_cap_follows_the_budget(monkeypatch):
+    cap = smoke_report.plan()["cap_s"]
+    monkeypatch.setattr(recipe, "SMOKE_SLOW_WAVE_S", recipe.SMOKE_SLOW_WAVE_S * 2)
+    assert smoke_report.plan()["cap_s"] > cap
+
+
+@pytest.mark.parametrize(("steps", "checkpoints"), [(2, [1, 2]), (7, [3, 6, 7]), (10, [5, 10]), (20, [5, 10, 15, 20])])
+def test_a_shorter_smoke_checkpoints_at_most_every_half_and_resumes_from_its_first(steps, checkpoints):
+    plan = smoke_report.plan(steps)
+    assert plan["checkpoints"] == checkpoints and plan["resume_at"] == checkpoints[0] < steps
+    assert plan["cap_s"] <= smoke_report.plan()["cap_s"]
+    assert smoke_report.plan_knobs(steps) == f"MAX_STEPS={steps} SAVE_STEPS={checkpoints[0]} EVAL_TASKS=4"
+
+
+@pytest.mark.parametrize("steps", [0, 1, 21, 1000])
+def test_a_smoke_of_another_length_is_one_clear_error(steps):
+    with pytest.raises(recipe.ConfigError, match=r"a smoke run takes MAX_STEPS=2\.\.20 .* not "):
+        smoke_report.plan(steps)
 
 
 @pytest.mark.parametrize(("text", "value"), [("2h", 7200), ("90m", 5400), ("7200", 7200), ("45s", 45)])
@@ -74,6 +101,7 @@ def push_checkpoint(hub: LocalHub, tmp: Path, step: int) -> None:
     (folder / "adapter_model.safetensors").write_bytes(b"x" * (100 + step))
     (folder / "adapter_config.json").write_text("{}")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
+    (folder / smoke_report.ROLLOUT_STATE).write_text(json.dumps({"prompt_index": step, "model_version": step}))
     adapter_repo.push_folder(hub, REPO, folder, adapter_repo.checkpoint_name(step), marker=True)
 
 
@@ -85,7 +113,8 @@ def train_log(ratios: list[float] | None = None, resumed_from: int | None = 2) -
         logs.append({"start": 0 if step <= 2 else 1, "step": step, "loss": 0.01, "ratio": 0.9995,
                      "ratio/sample_min": ratio, "ratio/sample_max": min(ratio + 0.0005, 1.08),
                      "perf/step_s": None if step in (1, 3) else 80.0 + step, "perf/weight_sync_s": 0.010 + step / 1000,
-                     "perf/weight_sync_fused_tensors": 0.0 if step == 1 else 266.0, "rollout/fork_frac": 0.0})
+                     "perf/weight_sync_fused_tensors": 0.0 if step == 1 else 266.0, "rollout/fork_frac": 0.0,
+                     smoke_report.SAMPLES_KEY: 8.0, smoke_report.GROUPS_KEY: 1.0})
     logs.append({"start": 1, "step": 6, "train_runtime": 700.0})
     starts = [{"at": 1.0, "resumed_from": None, "global_step": 0, "max_steps": 6},
               {"at": 2.0, "resumed_from": resumed_from, "global_step": 2 if resumed_from else 0, "max_steps": 6}]
@@ -94,7 +123,9 @@ def train_log(ratios: list[float] | None = None, resumed_from: int | None = 2) -
 
 LEDGER = {"schema": 1, "rollouts": 60, "scored": 57, "timed_out": 1,
           "unscorable": {"create": 0, "rollout": 2, "capture": 0, "empty_trace": 1, "verifier": 0},
-          "unscorable_total": 3, "stopped": None}
+          "unscorable_total": 3, "stopped": None,
+          "timing": {"count": 57, "max": {"sandbox_start_s": 4.0, "healthcheck_s": 6.0, "agent_setup_s": 20.0,
+                                          "agent_run_s": 610.0, "verifier_s": 9.0, "setup_s": 38.0}}}
 
 
 def eval_doc(complete: bool = True) -> dict:
@@ -139,12 +170,13 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert training["sync_ms"]["max"] == pytest.approx(16.0) and training["sync_ms"]["median"] == pytest.approx(13.5)
     assert training["fused_tensors"] == 266
     assert training["fork_frac"] == 0.0 and training["fork_frac_logged"]
+    assert training["stale_frac"] == 0.0 and training["samples_trained"] == 48
     assert report["rollouts"] == {k: LEDGER[k] for k in ("rollouts", "scored", "timed_out", "unscorable",
-                                                         "unscorable_total", "stopped")}
-    assert [(c["step"], c["verified"], c["files"]) for c in report["checkpoints"]] == [(2, True, 4), (4, True, 4),
-                                                                                      (6, True, 4)]
+                                                         "unscorable_total", "stopped", "timing")}
+    assert [(c["step"], c["verified"], c["files"], c["prompt_index"]) for c in report["checkpoints"]] == [
+        (2, True, 5, 2), (4, True, 5, 4), (6, True, 5, 6)]
     assert all(c["bytes"] > 0 and c["error"] is None for c in report["checkpoints"])
-    assert report["resume"]["verified"] and report["resume"]["from"] == 2
+    assert report["resume"]["verified"] and report["resume"]["from"] == 2 and report["resume"]["consumed"] == 2
     assert report["eval"] == {"complete": True, "cells": 8, "tasks": 4,
                               "base": {"tasks": 4, "scored": 4, "correct": 2, "unscorable": 0, "pass_at_1": 0.5},
                               "adapter": {"tasks": 4, "scored": 4, "correct": 2, "unscorable": 0, "pass_at_1": 0.5}}
@@ -152,7 +184,8 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert report["watcher"] == {"evaluated": [], "summary": False}
     screen = smoke_report.render(report)
     assert screen.splitlines()[1] == "SMOKE REPORT: GO" and len(screen.splitlines()) <= 30
-    for text in ("steps 6/6", "57 scored", "importance ratio 0.9985-1.0005", "fused tensors 266", "2:ok, 4:ok, 6:ok",
+    for text in ("steps 6/6", "57 scored", "48 samples, 0 dropped stale", "setup max 38 s over 57 timed rollouts",
+                 "importance ratio 0.9985-1.0005", "fused tensors 266", "2:ok, 4:ok, 6:ok",
                  "pass@1 base 0.50", "vllm 0.31.0", f"OpenEnv {recipe.OPENENV_COMMIT}", "fetch_training_trace present"):
         assert text in screen, text
 
@@ -235,6 +268,9 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
     stages.write_text("".join(f"start {s['stage']} 0\nend {s['stage']} 5 ok\n" for s in STAGES))
     monkeypatch.setenv("ADAPTER_REPO", REPO)
     monkeypatch.setenv("HF_TOKEN", "hf_test_placeholder")
+    monkeypatch.setenv("MAX_STEPS", "6")  # run_job.sh exports the smoke's MAX_STEPS: the plan the report checks
+    monkeypatch.setattr(recipe, "SMOKE_SAVE_STEPS", 2)
+    assert smoke_report.expect_smoke(6) == EXPECT
     rc = smoke_report.main(["report", "--work-dir", str(work), "--stages", str(stages)], make_api=lambda _: hub)
     out = capsys.readouterr().out
     pushed = json.loads((hub.root / REPO / smoke_report.REPORT_PATH).read_text())
@@ -245,13 +281,88 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
     assert [c["verified"] for c in pushed["checkpoints"]] == [True, True, True]
     assert pushed["rollouts"] == {
         "rollouts": 120, "scored": 114, "timed_out": 2, "unscorable_total": 8, "stopped": None,
-        "unscorable": {"create": 0, "rollout": 4, "capture": 2, "empty_trace": 2, "verifier": 0}}
+        "unscorable": {"create": 0, "rollout": 4, "capture": 2, "empty_trace": 2, "verifier": 0},
+        "timing": {"count": 114, "max": LEDGER["timing"]["max"]}}
     assert pushed["resume"]["verified"] and pushed["training"]["steps_done"] == 6
 
 
 def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
-    assert len(hub.list_repo_files(REPO)) == 12  # 3 checkpoints x (adapter, config, state, marker)
-    assert smoke_report.clear(hub, REPO) == 12
+    assert len(hub.list_repo_files(REPO)) == 15  # 3 checkpoints x (adapter, config, state, rollout state, marker)
+    assert smoke_report.clear(hub, REPO) == 15
     assert hub.list_repo_files(REPO) == []
     with pytest.raises(recipe.ConfigError, match="does not end with -smoke"):
         smoke_report.clear(hub, "you/LFM2.5-2.6B-opencode-lora-RL")
+
+
+# --- a verdict that cannot lie ----------------------------------------------------------------------------------
+def interleaved_ledger(rollouts: int, unscorable: int) -> dict:
+    """rollout_guard's counts after `unscorable` of `rollouts` failed, interleaved with scored ones: no streak of
+    ROLLOUT_ABORT_STREAK and a ROLLOUT_WINDOW that never fills, so the guard itself never stops the run."""
+    ledger = {**LEDGER, "rollouts": rollouts, "scored": rollouts - unscorable, "unscorable_total": unscorable,
+              "unscorable": {"create": unscorable - 10, "rollout": 0, "capture": 10, "empty_trace": 0,
+                             "verifier": 0}}
+    assert rollouts < recipe.ROLLOUT_WINDOW
+    return ledger
+
+
+def test_a_mostly_failing_pipeline_is_no_go_with_every_reason(hub, tmp_path):
+    """The broken pipeline that used to say GO: 50 of 60 rollouts unscorable (interleaved), 1 of 4 eval cells
+    scored per side."""
+    side = {"tasks": 4, "scored": 1, "correct": 1, "unscorable": 3, "pass_at_1": 1.0}
+    doc = {**eval_doc(), "summary": {"base": side, "adapter": side}}
+    report = report_for(hub, tmp_path, ledger=interleaved_ledger(60, 50), doc=doc)
+    assert report["verdict"] == "NO-GO"
+    assert report["reasons"] == [
+        "50 of 60 finished rollouts unscorable (83% > 10%): create 40, capture 10",
+        "eval: 1 of 4 base cells scored (3 unscorable): a smoke eval scores every cell",
+        "eval: 1 of 4 adapter cells scored (3 unscorable): a smoke eval scores every cell",
+    ]
+    screen = smoke_report.render(report)
+    assert all(f"NO-GO: {reason}" in screen for reason in report["reasons"])
+
+
+def test_unscorable_rollouts_at_the_limit_are_go_and_above_it_no_go(hub, tmp_path):
+    limit = int(recipe.SMOKE_MAX_UNSCORABLE * 100)
+    assert report_for(hub, tmp_path, ledger=interleaved_ledger(100, limit))["verdict"] == "GO"
+    report = report_for(hub, tmp_path / "b", ledger=interleaved_ledger(100, limit + 1))
+    assert report["reasons"] == [f"{limit + 1} of 100 finished rollouts unscorable ({limit + 1}% > {limit}%): "
+                                 f"create {limit - 9}, capture 10"]
+
+
+def log_with(**per_step: float) -> dict:
+    log = train_log()
+    for entry in log["logs"]:
+        if "loss" in entry:
+            entry.update(per_step)
+    return log
+
+
+@pytest.mark.parametrize(("change", "reason"), [
+    # TRL dropped 1 sample per step as stale against 8 trained: 11 % > 5 %.
+    ({"log": log_with(**{smoke_report.STALE_KEY: 1.0})},
+     "TRL dropped 6 samples as stale against 48 trained (11% > 5%): finished sandbox work thrown away"),
+    ({"log": log_with(**{"rollout/fork_frac": 0.5})}, "fork fraction 0.50 > 0.05: captured rollouts split"),
+    ({"log": log_with(**{"rollout/fork_frac": None})}, "rollout/fork_frac not logged"),
+    ({"log": log_with(**{smoke_report.SAMPLES_KEY: None})}, "no trained samples logged (batch/samples_per_step)"),
+    ({"ledger": {**LEDGER, "timing": None}}, "per-rollout setup time not measured"),
+    ({"ledger": {**LEDGER, "timing": {"count": 57, "max": {**LEDGER["timing"]["max"], "setup_s": 301.0}}}},
+     "per-rollout setup took up to 301 s > 300 s (OpenEnv's call limit minus the agent timeout)"),
+])
+def test_each_pipeline_check_names_its_numbers(hub, tmp_path, change, reason):
+    report = report_for(hub, tmp_path, **change)
+    assert report["verdict"] == "NO-GO" and len(report["reasons"]) == 1, report["reasons"]
+    assert report["reasons"][0].startswith(reason), report["reasons"]
+
+
+def test_a_resume_position_behind_what_the_first_start_consumed_is_no_go(hub, tmp_path):
+    """TRL's rollout_state.json at the stop's checkpoint must point past every group the first start trained or
+    dropped; a position stuck at a group that never trained (issue 29) re-trains from there on a relaunch."""
+    stuck = hub.root / REPO / "checkpoint-2" / smoke_report.ROLLOUT_STATE
+    stuck.write_text(json.dumps({"prompt_index": 0, "model_version": 2}))  # same size: its marker still holds
+    report = report_for(hub, tmp_path)
+    assert report["reasons"] == ["resume position 0 (checkpoint-2's rollout_state.json) is before the 2 groups the "
+                                 "first start consumed: a relaunch would train them again"]
+    # Stale-dropped groups count as consumed too: 8 dropped samples in step 2 are one more group.
+    log = train_log()
+    log["logs"][1][smoke_report.STALE_KEY] = 8.0
+    assert smoke_report.consumed(log, 2) == 3
