@@ -250,7 +250,7 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
     """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable.
 
     A failure of this one rollout (session create, the rollout call, the verifier) is an unscorable cell whose
-    error starts with its class (README "Rollout failures"), never an exception that ends the eval.
+    error starts with its class (docs/training.md "Rollout failures"), never an exception that ends the eval.
     """
     start = time.monotonic()
     result, error = None, ""

@@ -27,7 +27,7 @@ from typing import Any
 
 import recipe
 
-# Per-rollout failure classes, in the order a rollout meets them (README "Rollout failures" says what causes each).
+# Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
 LEDGER_NAME = "rollouts.json"
 

@@ -3,7 +3,7 @@
 # vLLM, clones OpenEnv, patches the OpenCode seam, prepares the tasks, starts vLLM (GPU 1) and the env
 # server, trains the LoRA (GPU 0) under a stall watchdog, then runs the final base-vs-adapter eval.
 #
-#   bash run_job.sh                                               # inside the job (see README "Launch")
+#   bash run_job.sh                                               # inside the job (see README "Your path")
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_job.sh   # print the plan, start nothing
 #
 # Environment (defaults from recipe.py):

@@ -17,7 +17,8 @@ from (`weight_update_info["dtype_names"]`) is therefore rebuilt to say bfloat16;
 
 On a GPU with Triton, a LoRA-wrapped weight is merged by one fused kernel (`merge_cast`): it reads W, computes
 B @ A in registers and writes the sent copy, so the fp32 product never goes through memory (for LFM2-2.6B on
-an H200, 6.2 ms of GPU time per sync vs 12.8 ms with cuBLAS's product; BENCHMARKS.md). Its bits are not taken on faith:
+an H200, 6.2 ms of GPU time per sync vs 12.8 ms with cuBLAS's product; benchmarks/LOG.md). Its bits are not taken
+on faith:
 `FusedMerge` checks each tensor once against cuBLAS's path, on this GPU, and uses the kernel only where they match.
 
 Extra memory is one tensor at a time: for a LoRA-wrapped weight its bf16 result (plus, on cuBLAS's path and in
@@ -100,7 +101,7 @@ def add_into(base: torch.Tensor, delta: torch.Tensor, alpha: float, out: torch.T
     """out <- base + alpha·delta, summed in the inputs' dtype (fp32) and rounded to out's dtype once, on the store.
 
     One pass: reads W and the B@A temp, writes the sent copy (10 bytes/element). A Triton kernel for the same
-    step ran ~10% faster per kernel on the H200 but only 2-5% on the whole sync (BENCHMARKS.md): not worth a
+    step ran ~10% faster per kernel on the H200 but only 2-5% on the whole sync (benchmarks/LOG.md): not worth a
     kernel CI cannot run, so the benchmark keeps it as a variant.
     """
     return torch.add(base, delta, alpha=alpha, out=out)

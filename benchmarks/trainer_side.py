@@ -2,7 +2,7 @@
 
 Checks the recipe's trainer-side claims on one GPU without the Hub: random weights in the LFM2-2.6B shape
 (FACTS.md, or the real config.json with --config), LoRA from train_lora.lora_config(), TRL 1.15's own merge,
-stream, packer and loss code. Prints one markdown table (BENCHMARKS.md holds the H200 run):
+stream, packer and loss code. Prints one markdown table (benchmarks/LOG.md holds the H200 run):
 
     python benchmarks/trainer_side.py --tiny                       # CPU, seconds (tests/test_benchmark_tiny.py)
     python benchmarks/trainer_side.py --json trainer_side.json     # one H200, LFM2-2.6B shape

@@ -80,7 +80,7 @@ def make_loop(tokenizer_and_settings, tmp_path):
 
 
 def ledger(settings) -> dict:
-    """The counts the guard writes next to the heartbeat (README: "Rollout failures")."""
+    """The counts the guard writes next to the heartbeat (docs/training.md: "Rollout failures")."""
     return json.loads(Path(settings.heartbeat_file).with_name("rollouts.json").read_text())
 
 

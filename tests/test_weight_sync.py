@@ -258,7 +258,7 @@ def test_merge_free_refuses_an_already_merged_model():
         list(weight_sync.merge_free_named_tensors(model, SENT))
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: run on a GPU (the H200 run in BENCHMARKS.md)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: run on a GPU (benchmarks/LOG.md)")
 def test_gpu_stream_is_bit_exact_for_a_consumer_that_switches_streams():
     """Each tensor is complete on whatever stream the consumer pulls it under, as vLLM's NCCL producer does.
 
@@ -493,7 +493,7 @@ def test_real_kernel_in_the_triton_interpreter_merges_every_element(monkeypatch)
         assert float(error.nan_to_num(nan=float("inf")).max()) < 2**-7, (rows, cols, rank)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernel: run on a GPU (the H200 run in BENCHMARKS.md)")
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="Triton kernel: run on a GPU (benchmarks/LOG.md)")
 def test_gpu_fused_kernel_equals_cublas_and_stock_bit_for_bit():
     model = peft_lfm2().cuda()
     stock = stock_stream(model)

@@ -37,7 +37,7 @@ WRITE_TOOL = {"type": "function", "function": {"name": "write", "parameters": {
     "type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}}}}}
 # Output cap the scripted agent asks for: keeps a CPU rollout to a second or two (OpenCode asks for 32000).
 AGENT_MAX_TOKENS = 6
-# Rollout-level failures the rehearsal can inject (README "Rollout failures"), each as it shows in production:
+# Rollout-level failures the rehearsal can inject (docs/training.md "Rollout failures"), each as it shows in production:
 #   create            the env server refuses the session (create() raises)
 #   sandbox           the sandbox never boots: no agent, no reward, exit code 1
 #   opencode_install  OpenCode fails to install: no model call, the verifier grades an untouched workspace (0)
