@@ -39,6 +39,11 @@ def checked_args(args: argparse.Namespace) -> None:
         recipe.require_repo_id(args.source, "--source")
     recipe.require_repo_id(args.target, "--target")
     recipe.require_repo_id(merged_repo(args), "--merged-target")
+    targets = [("--target", args.target)] + ([("--merged-target", merged_repo(args))] if args.merged else [])
+    for flag, repo in targets:
+        if repo.casefold() == args.source.casefold():  # the Hub resolves repo ids case-insensitively
+            raise recipe.ConfigError(f"{flag}={repo} is the training repo (--source {args.source}): publish to another "
+                                     "repo; pushing there would replace its final adapter and card")
 
 
 def merged_repo(args: argparse.Namespace) -> str:

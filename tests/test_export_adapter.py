@@ -403,3 +403,15 @@ def test_bad_input_is_one_clear_line(made, tmp_path, capsys, case):
     assert rc == 2 and err.startswith("export_adapter.py: ") and err.count("\n") == 1, err
     assert expected in err
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+@pytest.mark.parametrize("flags", [["--target", SOURCE], ["--target", SOURCE.upper()],
+                                   ["--target", TARGET, "--merged", "--merged-target", SOURCE]],
+                         ids=["target", "target-other-case", "merged-target"])
+def test_a_target_that_is_the_training_repo_is_refused_before_anything_is_downloaded(capsys, flags):
+    """Publishing over the training repo would replace its final adapter: the watcher would stop, resume refuse."""
+    argv = ["--source", SOURCE, "--checkpoint", "checkpoint-500", *flags]
+    rc, _, err = run(argv, capsys, env={"HF_TOKEN": CANARY}, make_api=lambda t: pytest.fail("no Hub client needed"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"export_adapter.py: --{'merged-' if '--merged' in flags else ''}target=") and (
+        f"is the training repo (--source {SOURCE}): publish to another repo" in err)
