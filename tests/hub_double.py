@@ -8,6 +8,10 @@ kinds and defaults, no `**kwargs`: a call the real client refuses fails here too
 made by its own `hf_raise_for_status` from a real `httpx.Response` with the Hub's status and error code.
 `tests/test_hub_contract.py` checks all of that against the installed huggingface_hub.
 
+Two behaviours of the Hub reported from production (FACTS.md, "Hub commits") are modelled: a commit that overlaps
+another commit on the same repo is refused with HTTP 409 (`COMMIT_IN_PROGRESS`), and with `stale_reads` set, the
+head that `repo_info`/`model_info` answer lags behind a commit for that many reads, as the Hub's cache does.
+
 Not modelled: history. `revision` is accepted, but every read sees the latest tree.
 
 `run_job` mirrors huggingface_hub 2.4.0's `HfApi.run_job` (launch.py runs on >= 2.1.1; `expose_public` does not
@@ -29,6 +33,8 @@ from huggingface_hub.utils import hf_raise_for_status
 
 ENDPOINT = "https://huggingface.co"
 OWNER = "alice"  # the user every token belongs to here
+# What the Hub answers (HTTP 409) to a commit while another commit on the same repo is being applied.
+COMMIT_IN_PROGRESS = "Another commit operation is in progress for this repository. Please try again later."
 
 
 def raise_hub_error(status: int, url: str, message: str, error_code: str | None = None, method: str = "GET") -> None:
@@ -38,15 +44,19 @@ def raise_hub_error(status: int, url: str, message: str, error_code: str | None 
 
 
 class LocalHub:
-    """Repos as folders under `root`; `fail_uploads` makes the next N writes fail with HTTP `fail_status`."""
+    """Repos as folders under `root`; `fail_uploads` makes the next N writes fail with HTTP `fail_status`;
+    `stale_reads` makes the next N head reads after each commit answer the head before it."""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.fail_uploads = 0
         self.fail_status = 503
+        self.stale_reads = 0
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths)
         self.jobs: list[dict[str, object]] = []  # run_job's arguments, as given
         self._heads: dict[str, int] = {}
+        self._stale: dict[str, tuple[str, int]] = {}  # repo -> (the head reads still answer, reads left)
+        self._committing: set[str] = set()  # repos with a commit being applied
         self._lock = threading.Lock()
 
     # -- repos -----------------------------------------------------------------
@@ -70,11 +80,20 @@ class LocalHub:
                   repo_type: str | None = None) -> ModelInfo | DatasetInfo:
         self._repo(repo_id)
         info = DatasetInfo if repo_type == "dataset" else ModelInfo
-        return info(id=repo_id, sha=self.head(repo_id), private=True)
+        return info(id=repo_id, sha=self._read_head(repo_id), private=True)
 
     def model_info(self, repo_id: str, *, revision: str | None = None) -> ModelInfo:
         self._repo(repo_id)
-        return ModelInfo(id=repo_id, sha=self.head(repo_id), private=True)
+        return ModelInfo(id=repo_id, sha=self._read_head(repo_id), private=True)
+
+    def _read_head(self, repo_id: str) -> str:
+        """The head as an API read answers it: the one before the last commit while the cache still lags."""
+        with self._lock:
+            sha, left = self._stale.pop(repo_id, ("", 0))
+            if left > 0:
+                self._stale[repo_id] = (sha, left - 1)
+                return sha
+            return self.head(repo_id)
 
     def head(self, repo_id: str) -> str:
         """The repo's head commit id: a 40-hex id that changes with every commit."""
@@ -119,19 +138,31 @@ class LocalHub:
     def create_commit(self, repo_id: str, operations: list[CommitOperationAdd | CommitOperationDelete], *,
                       commit_message: str, repo_type: str | None = None,
                       parent_commit: str | None = None) -> CommitInfo:
-        """Apply operations atomically; with `parent_commit`, refuse if the head moved (412, like the Hub)."""
+        """Apply operations atomically, as the Hub does: refused with 409 while another commit on the repo is being
+        applied, and with `parent_commit`, refused with 412 if the head moved."""
+        url = f"{ENDPOINT}/api/models/{repo_id}/commit/main"
         with self._lock:
             self._before_write(repo_id)
             repo = self._repo(repo_id)
+            if repo_id in self._committing:
+                raise_hub_error(409, url, COMMIT_IN_PROGRESS, method="POST")
             if parent_commit is not None and parent_commit != self.head(repo_id):
-                raise_hub_error(412, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
-                                "A commit has happened since. Please refresh and try again.", method="POST")
+                raise_hub_error(412, url, "A commit has happened since. Please refresh and try again.", method="POST")
+            self._committing.add(repo_id)
+        try:
             paths = [self._apply(repo, op) for op in operations]
-            self._heads[repo_id] = self._heads.get(repo_id, 0) + 1
-            self.commits.append((repo_id, commit_message, paths))
-            oid = self.head(repo_id)
-            return CommitInfo(commit_url=f"{ENDPOINT}/{repo_id}/commit/{oid}", commit_message=commit_message,
-                              commit_description="", oid=oid, pr_url=None)
+            with self._lock:
+                before = self.head(repo_id)
+                self._heads[repo_id] = self._heads.get(repo_id, 0) + 1
+                self.commits.append((repo_id, commit_message, paths))
+                if self.stale_reads:
+                    self._stale[repo_id] = (before, self.stale_reads)
+                oid = self.head(repo_id)
+        finally:
+            with self._lock:
+                self._committing.discard(repo_id)
+        return CommitInfo(commit_url=f"{ENDPOINT}/{repo_id}/commit/{oid}", commit_message=commit_message,
+                          commit_description="", oid=oid, pr_url=None)
 
     @staticmethod
     def _apply(repo: Path, op: CommitOperationAdd | CommitOperationDelete) -> str:
