@@ -159,6 +159,7 @@ def lora_config() -> LoraConfig:
         target_modules=list(recipe.LORA_TARGET_MODULES),
         bias="none",
         task_type="CAUSAL_LM",
+        revision=recipe.BASE_MODEL_REVISION,  # saved in adapter_config.json: AutoPeftModel loads the base there
     )
 
 
