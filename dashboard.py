@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import re
 import time
+import warnings
 from collections.abc import Mapping
 from importlib.util import find_spec
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import recipe
 
 SPACE_URL = "https://huggingface.co/spaces/{}"
+# How trackio 0.43.0's init says it could not find or create the Space (it warns and logs locally instead of raising).
+_SPACE_NOT_PREPARED = "could not prepare Space"
 LOCAL = "local"  # DASHBOARD_SPACE value: no Space, Trackio logs on the machine only
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
 
@@ -75,9 +78,11 @@ def _redacted(text: str, env: Mapping[str, str]) -> str:
 
 def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[str, str],
              config: dict[str, Any] | None = None) -> str | None:
-    """Start the Trackio run on the private Space, or locally when there is none or it fails; return the Space URL.
+    """Start the Trackio run on the private Space, or locally when there is none or it fails; return the Space URL,
+    or None when there is no dashboard (then no URL goes into the model card).
 
-    Prints one line either way: the dashboard URL, or where the local logs are and why.
+    Prints one line either way: the dashboard URL, or where the local logs are and why. trackio.init does not raise
+    when it cannot find or create the Space: it warns and logs locally, and that warning is what is checked.
     """
     import trackio
     from trackio.utils import TRACKIO_DIR
@@ -85,13 +90,28 @@ def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[st
     why = "no dashboard Space (DASHBOARD_SPACE=local)"
     if space_id:
         try:
-            trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
-                         config=config)
-            url = SPACE_URL.format(trackio.context_vars.current_space_id.get())
-            print(f"dashboard: {url} (project {project_name}, run {name})", flush=True)
-            return url
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
+                             config=config)
         except Exception as error:  # noqa: BLE001 - offline, no rights, Hub down: log locally, never fail the run
             why = f"Space {space_id} unavailable: {_redacted(f'{type(error).__name__}: {error}', env)[:300]}"
+        else:
+            refused = next((str(w.message) for w in caught if _SPACE_NOT_PREPARED in str(w.message)), None)
+            for w in caught:
+                if str(w.message) != refused:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            space = trackio.context_vars.current_space_id.get()
+            if refused is None:
+                url = SPACE_URL.format(space)
+                print(f"dashboard: {url} (project {project_name}, run {name})", flush=True)
+                return url
+            reason = _redacted(refused.split(": ", 1)[-1].split(". Logging will continue")[0], env)[:300]
+            print(f"dashboard: Trackio could not create Space {space} ({reason}): no dashboard: metrics are logged "
+                  f"locally to {TRACKIO_DIR}, lost when the job ends unless copied (project {project_name}, run "
+                  f"{name}); create the Space beforehand (README: dashboard) or set DASHBOARD_SPACE=local",
+                  flush=True)
+            return None
     trackio.init(project=project_name, name=name, resume="allow", config=config)
     print(f"dashboard: {why}; logging locally to {TRACKIO_DIR} (project {project_name}, run {name}; "
           f"view with `trackio show --project {project_name}`)", flush=True)

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import huggingface_hub
 import pytest
+from huggingface_hub import CommitInfo
 
 import dashboard
 import recipe
+from tests.hub_double import ENDPOINT, raise_hub_error
 
 CANARY = "hf_" + "CanaryTokenValue0123456789abcdefXYZ"  # never in any output; assembled so scanners skip it
 
@@ -51,3 +53,70 @@ def test_eval_dashboard_failure_is_said_once_and_the_eval_goes_on(monkeypatch, c
 def test_run_is_named_after_the_job(env, name):
     assert dashboard.run_name("train", env) == name
     assert dashboard.project("you/LFM2.5-2.6B-opencode-lora-RL-smoke") == "LFM2.5-2.6B-opencode-lora-RL-smoke"
+
+
+class TrackioHub:
+    """The Hub as trackio 0.43.0's Space path calls it (trackio.init -> deploy.py), patched in at huggingface_hub.
+
+    Spaces in `spaces` exist; any other is not found, and creating one is refused with 403 when `refuse_create`
+    (a token that may not create Spaces: trackio then asks for a login, which a job without a terminal cannot give).
+    Every write is recorded in `calls`. The dashboard Space itself (trackio's RemoteClient) is not reachable here.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, spaces: set[str], refuse_create: bool = False) -> None:
+        import trackio
+
+        self.spaces, self.refuse_create = set(spaces), refuse_create
+        self.calls: list[tuple[str, ...]] = []
+        for name in ("repo_info", "create_repo", "add_space_secret", "add_space_variable", "login"):
+            monkeypatch.setattr(huggingface_hub, name, getattr(self, name))
+        monkeypatch.setattr(huggingface_hub.HfApi, "space_info", lambda api, repo_id, **_: self.repo_info(repo_id))
+        monkeypatch.setattr(huggingface_hub.HfApi, "bucket_info", lambda api, bucket_id, **_: raise_hub_error(
+            404, f"{ENDPOINT}/api/buckets/{bucket_id}", "Bucket not found", "RepoNotFound"))
+        monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", self.upload_file)
+        monkeypatch.setattr(trackio, "RemoteClient", self.remote_client)
+
+    def repo_info(self, repo_id: str, **_: object) -> huggingface_hub.SpaceInfo:
+        if repo_id not in self.spaces:
+            raise_hub_error(404, f"{ENDPOINT}/api/spaces/{repo_id}", "Repository not found", "RepoNotFound")
+        return huggingface_hub.SpaceInfo(id=repo_id, sdk="gradio", private=True)
+
+    def create_repo(self, repo_id: str, **kwargs: object) -> None:
+        if self.refuse_create:
+            raise_hub_error(403, f"{ENDPOINT}/api/repos/create", "You don't have the rights to create a space",
+                            method="POST")
+        self.calls.append(("create_repo", repo_id, str(kwargs.get("repo_type"))))
+        self.spaces.add(repo_id)
+
+    def upload_file(self, api: object, *, path_or_fileobj: object, path_in_repo: str, repo_id: str,
+                    **_: object) -> CommitInfo:
+        self.calls.append(("upload_file", repo_id, path_in_repo))
+        return CommitInfo(commit_url=f"{ENDPOINT}/spaces/{repo_id}/commit/{'0' * 40}", commit_message="",
+                          commit_description="", oid="0" * 40)
+
+    def add_space_secret(self, repo_id: str, key: str, value: str, **_: object) -> None:
+        self.calls.append(("add_space_secret", repo_id, key, value))
+
+    def add_space_variable(self, repo_id: str, key: str, value: str, **_: object) -> None:
+        self.calls.append(("add_space_variable", repo_id, key, value))
+
+    @staticmethod
+    def login(**_: object) -> None:
+        raise EOFError("EOF when reading a line")  # no terminal in a job
+
+    @staticmethod
+    def remote_client(space: str, **_: object) -> None:
+        raise ConnectionError(f"Could not connect to Space '{space}'. Is it running?")
+
+
+def test_a_space_trackio_cannot_create_gives_no_url_and_one_line_saying_so(monkeypatch, capsys, tmp_path):
+    """Issue 26 (12): trackio.init warns and falls back to local storage; the run must not claim the Space."""
+    hub = TrackioHub(monkeypatch, spaces=set(), refuse_create=True)
+    space = "alice/lfm-dashboard"
+    url = dashboard.init_run("dashboard-no-space", f"train-{tmp_path.name}", space, {"HF_TOKEN": CANARY})
+    out, err = capsys.readouterr()
+    assert url is None and hub.calls == [] and CANARY not in out + err
+    [line] = [line for line in out.splitlines() if line.startswith("dashboard:")]
+    assert line.startswith(f"dashboard: Trackio could not create Space {space} (") and "EOF" in line
+    assert "no dashboard: metrics are logged locally" in line and "lost when the job ends" in line
+    assert dashboard.SPACE_URL.format(space) not in line
