@@ -329,6 +329,27 @@ def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]],
     return with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True, sleep=sleep)
 
 
+def require_write_access(api: Any, repo_id: str) -> None:
+    """Create `repo_id` (private) if it is missing, then prove that the client's token may write to it.
+
+    `create_repo(exist_ok=True)` alone proves nothing: it succeeds for an existing repo with a read-only token.
+    whoami's token role is no proof either: a fine-grained token's rights are per repo and per org, and reading
+    them back here would mean re-implementing the Hub's rules. The Hub's own auth-check of write access on this
+    repo (`HfApi.auth_check(write=True)`, GET /api/models/<repo>/auth-check/write) answers for exactly this token
+    on exactly this repo, whatever kind of token it is, and writes nothing.
+    """
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api.create_repo(repo_id, private=True, exist_ok=True)
+    try:
+        api.auth_check(repo_id, write=True)
+    except HfHubHTTPError as error:
+        if http_status(error) not in (401, 403, 404):
+            raise
+        raise Failure(f"HF_TOKEN cannot write to {repo_id} ({describe(error)}): use a write token, or a "
+                      f"fine-grained token with write access to {repo_id}") from error
+
+
 def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, ignore: tuple[str, ...] = (),
                 marker: bool = False, backoff_s: float = recipe.PUSH_BACKOFF_S,
                 sleep: Callable[[float], None] | None = None) -> list[str]:

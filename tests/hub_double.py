@@ -45,13 +45,20 @@ def raise_hub_error(status: int, url: str, message: str, error_code: str | None 
 
 class LocalHub:
     """Repos as folders under `root`; `fail_uploads` makes the next N writes fail with HTTP `fail_status`;
-    `stale_reads` makes the next N head reads after each commit answer the head before it."""
+    `stale_reads` makes the next N head reads after each commit answer the head before it.
+
+    `token_role` is the client's token as the Hub knows it: "write", "read", or "fineGrained" (then it may write to
+    the repos in `writable` only). As on the Hub, a token that may not write is refused (403) a commit, the creation
+    of a repo and `auth_check(..., write=True)`, while `create_repo(exist_ok=True)` of an existing repo succeeds.
+    (The 403 messages are this double's own; the Hub's wording was not read anywhere.)"""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.fail_uploads = 0
         self.fail_status = 503
         self.stale_reads = 0
+        self.token_role = "write"
+        self.writable: set[str] = set()
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths)
         self.jobs: list[dict[str, object]] = []  # run_job's arguments, as given
         self._heads: dict[str, int] = {}
@@ -66,11 +73,17 @@ class LocalHub:
             raise_hub_error(404, f"{ENDPOINT}/api/models/{repo_id}", "Repository not found", "RepoNotFound")
         return path
 
+    def _may_write(self, repo_id: str) -> bool:
+        return self.token_role == "write" or (self.token_role == "fineGrained" and repo_id in self.writable)
+
     def create_repo(self, repo_id: str, *, private: bool | None = None, repo_type: str | None = None,
                     exist_ok: bool = False) -> RepoUrl:
         path = self.root / repo_id
         if path.exists() and not exist_ok:
             raise_hub_error(409, f"{ENDPOINT}/api/repos/create", "You already created this model repo", method="POST")
+        if not path.exists() and not self._may_write(repo_id):
+            raise_hub_error(403, f"{ENDPOINT}/api/repos/create", "You don't have the rights to create a model under "
+                            f"the namespace {repo_id.split('/')[0]!r}", method="POST")
         path.mkdir(parents=True, exist_ok=True)
         self._heads.setdefault(repo_id, 0)
         prefix = "datasets/" if repo_type == "dataset" else ""
@@ -129,7 +142,17 @@ class LocalHub:
         return str(dest)
 
     # -- writes ----------------------------------------------------------------
+    def auth_check(self, repo_id: str, *, repo_type: str | None = None, write: bool = False) -> None:
+        """As the Hub's auth-check endpoint: 404 for a repo it cannot see, 403 when `write` and it may not write."""
+        self._repo(repo_id)
+        if write and not self._may_write(repo_id):
+            raise_hub_error(403, f"{ENDPOINT}/api/models/{repo_id}/auth-check/write",
+                            f"This token has no write access to {repo_id}")
+
     def _before_write(self, repo_id: str) -> None:
+        if not self._may_write(repo_id):
+            raise_hub_error(403, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
+                            f"This token has no write access to {repo_id}", method="POST")
         if self.fail_uploads > 0:
             self.fail_uploads -= 1
             raise_hub_error(self.fail_status, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
@@ -211,8 +234,14 @@ class LocalHub:
 
     # -- account ---------------------------------------------------------------
     def whoami(self, token: bool | str | None = None, *, cache: bool = False) -> dict:
-        """The token's owner, as the real `whoami` answers for a user token (the jobs below run under it)."""
-        return {"type": "user", "name": OWNER}
+        """The token's owner and its access token's role, as the real `whoami` answers for a user token (the jobs
+        below run under it); a fine-grained token lists the repos it is scoped to write."""
+        token = {"displayName": "test", "role": self.token_role}
+        if self.token_role == "fineGrained":
+            token["fineGrained"] = {"global": [], "scoped": [
+                {"entity": {"type": "model", "name": repo}, "permissions": ["repo.content.read", "repo.write"]}
+                for repo in sorted(self.writable)]}
+        return {"type": "user", "name": OWNER, "auth": {"type": "access_token", "accessToken": token}}
 
     # -- jobs ------------------------------------------------------------------
     def run_job(self, *, image: str, command: list[str], env: dict[str, object] | None = None,

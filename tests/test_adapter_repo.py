@@ -170,6 +170,27 @@ def test_a_lost_compare_and_swap_waits_for_the_head_read_to_catch_up_before_rebu
     assert (hub.root / REPO / "eval/mine.json").read_text() == built[1]
 
 
+@pytest.mark.parametrize(("role", "writable"), [("read", set()), ("fineGrained", {"alice/another-repo"})],
+                         ids=["read-only", "fine-grained-other-repo"])
+def test_a_token_that_cannot_write_to_an_existing_repo_is_refused_in_one_line(hub, role, writable):
+    """Issue 26 (8): create_repo(exist_ok=True) succeeds for such a token; the Hub's write auth-check does not."""
+    hub.token_role, hub.writable = role, writable
+    hub.create_repo(REPO, private=True, exist_ok=True)  # the check train() had: it passes for this token
+    with pytest.raises(ar.Failure) as refused:
+        ar.require_write_access(hub, REPO)
+    line = str(refused.value)
+    assert line.startswith(f"HF_TOKEN cannot write to {REPO} (HTTP 403: ") and "\n" not in line
+    assert line.endswith(f"use a write token, or a fine-grained token with write access to {REPO}")
+
+
+@pytest.mark.parametrize("role", ["write", "fineGrained"])
+def test_a_token_that_may_write_passes_and_a_missing_repo_is_created_private(tmp_path, role):
+    hub = LocalHub(tmp_path / "hub")
+    hub.token_role, hub.writable = role, {REPO}
+    ar.require_write_access(hub, REPO)
+    assert hub.list_repo_files(REPO) == [] and hub.commits == []
+
+
 def test_the_watcher_and_the_full_eval_never_share_a_file():
     names = [ar.FINAL, *(ar.checkpoint_name(s) for s in (1, 100, 1000))]
     full = {ar.full_results_path(n) for n in names}
