@@ -68,12 +68,17 @@ class TrackioHub:
 
         self.spaces, self.refuse_create = set(spaces), refuse_create
         self.calls: list[tuple[str, ...]] = []
-        for name in ("repo_info", "create_repo", "add_space_secret", "add_space_variable", "login"):
+        from trackio import deploy
+
+        for name in ("repo_info", "create_repo", "add_space_secret", "add_space_variable", "delete_space_variable",
+                     "login"):
             monkeypatch.setattr(huggingface_hub, name, getattr(self, name))
+        monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda api, *a, **k: {"type": "user", "name": "alice"})
+        monkeypatch.setattr(deploy, "_warn_if_space_build_fails", lambda space_id: None)  # polls the Hub for 10 min
         monkeypatch.setattr(huggingface_hub.HfApi, "space_info", lambda api, repo_id, **_: self.repo_info(repo_id))
         monkeypatch.setattr(huggingface_hub.HfApi, "bucket_info", lambda api, bucket_id, **_: raise_hub_error(
             404, f"{ENDPOINT}/api/buckets/{bucket_id}", "Bucket not found", "RepoNotFound"))
-        monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", self.upload_file)
+        monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", lambda api, **kwargs: self.upload_file(**kwargs))
         monkeypatch.setattr(trackio, "RemoteClient", self.remote_client)
 
     def repo_info(self, repo_id: str, **_: object) -> huggingface_hub.SpaceInfo:
@@ -88,7 +93,7 @@ class TrackioHub:
         self.calls.append(("create_repo", repo_id, str(kwargs.get("repo_type"))))
         self.spaces.add(repo_id)
 
-    def upload_file(self, api: object, *, path_or_fileobj: object, path_in_repo: str, repo_id: str,
+    def upload_file(self, *, path_or_fileobj: object, path_in_repo: str, repo_id: str,
                     **_: object) -> CommitInfo:
         self.calls.append(("upload_file", repo_id, path_in_repo))
         return CommitInfo(commit_url=f"{ENDPOINT}/spaces/{repo_id}/commit/{'0' * 40}", commit_message="",
@@ -99,6 +104,9 @@ class TrackioHub:
 
     def add_space_variable(self, repo_id: str, key: str, value: str, **_: object) -> None:
         self.calls.append(("add_space_variable", repo_id, key, value))
+
+    def delete_space_variable(self, repo_id: str, key: str, **_: object) -> None:
+        self.calls.append(("delete_space_variable", repo_id, key))
 
     @staticmethod
     def login(**_: object) -> None:
@@ -120,3 +128,38 @@ def test_a_space_trackio_cannot_create_gives_no_url_and_one_line_saying_so(monke
     assert line.startswith(f"dashboard: Trackio could not create Space {space} (") and "EOF" in line
     assert "no dashboard: metrics are logged locally" in line and "lost when the job ends" in line
     assert dashboard.SPACE_URL.format(space) not in line
+
+
+def test_trackio_copies_the_token_and_turns_on_mcp_only_when_it_creates_the_space(monkeypatch):
+    """Issue 26 (13), the fact README states, on trackio 0.43.0's own deploy code: a Space it creates gets the
+    token it runs under as the `HF_TOKEN` secret and an MCP server; a Space that exists gets neither."""
+    from trackio import deploy
+
+    monkeypatch.setenv("HF_TOKEN", CANARY)
+    hub = TrackioHub(monkeypatch, spaces={"alice/existing"})
+    assert deploy.create_space_if_not_exists("alice/new", private=True) is True
+    assert ("add_space_secret", "alice/new", "HF_TOKEN", CANARY) in hub.calls
+    assert ("add_space_variable", "alice/new", "GRADIO_MCP_SERVER", "True") in hub.calls
+    hub.calls.clear()
+    assert deploy.create_space_if_not_exists("alice/existing", private=True) is False and hub.calls == []
+
+
+def test_a_space_prepared_beforehand_keeps_the_jobs_token_out_of_it(monkeypatch, capsys):
+    """Issue 26 (13): `dashboard.py prepare-space` creates the Space under a token scoped to it, MCP off; the job's
+    Trackio (under the job's write token) then finds it and copies nothing into it."""
+    from trackio import deploy
+
+    scoped = "hf_" + "ScopedDashboardToken0123456789abcd"  # a fake, assembled so scanners skip it
+    monkeypatch.setenv("HF_TOKEN", scoped)
+    monkeypatch.setenv("DASHBOARD_SPACE", "lfm-dashboard")
+    hub = TrackioHub(monkeypatch, spaces=set())
+    assert dashboard.main(["prepare-space"]) == 0
+    assert ("create_repo", "alice/lfm-dashboard", "space") in hub.calls
+    assert ("add_space_secret", "alice/lfm-dashboard", "HF_TOKEN", scoped) in hub.calls
+    assert hub.calls[-1] == ("delete_space_variable", "alice/lfm-dashboard", "GRADIO_MCP_SERVER")
+    out = capsys.readouterr().out
+    assert f"dashboard: created {dashboard.SPACE_URL.format('alice/lfm-dashboard')} (private, MCP server off)" in out
+    assert scoped not in out
+    hub.calls.clear()
+    monkeypatch.setenv("HF_TOKEN", CANARY)  # the job
+    assert deploy.create_space_if_not_exists("alice/lfm-dashboard", private=True) is False and hub.calls == []
