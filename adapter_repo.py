@@ -8,8 +8,9 @@
     eval/summary.json, eval/learning_curve.png           the watcher's rolling summary and curve
 
 Each file has one writer, so two writers never mix schemas or task sets in one file. Every write is one
-commit, retried only on what is transient (HTTP 408/429/5xx, connection errors, timeouts; 412 when a
-compare-and-swap lost a race); anything else stops at once with one line. Every entry point ends a failure
+commit, retried with waits only on what is transient (HTTP 408/429/5xx, connection errors, timeouts; 409 while
+another commit to the repo is in progress; 412 when a compare-and-swap lost a race); anything else stops at once
+with one line. Every entry point ends a failure
 the same way (`report_failure`): one line saying what failed, the likely cause and the fix. Imports only the
 standard library, recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
 """
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import time
 import traceback
+import weakref
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -113,6 +115,10 @@ class PushError(Failure):
     """A write to the Hub failed for good: a permanent error, or a transient one that outlived every retry."""
 
 
+class StaleHead(RuntimeError):
+    """The Hub still answers a head this writer saw superseded: its read lags; read again after a wait."""
+
+
 def http_status(error: BaseException) -> int | None:
     """The HTTP status the Hub answered with, if `error` is the client's HTTP error."""
     from huggingface_hub.errors import HfHubHTTPError
@@ -133,10 +139,11 @@ def _transport_errors() -> tuple[type[BaseException], ...]:
 
 
 def is_transient(error: BaseException) -> bool:
-    """Worth retrying: HTTP 408, 429 or 5xx, or the connection failed or timed out."""
+    """Worth retrying: HTTP 408, 409 (another commit to the repo is in progress), 429 or 5xx, or the connection
+    failed or timed out."""
     status = http_status(error)
     if status is not None:
-        return status in (408, 429) or status >= 500
+        return status in (408, 409, 429) or status >= 500
     return isinstance(error, _transport_errors())
 
 
@@ -156,7 +163,8 @@ def with_retries[T](what: str, action: Callable[[], T], *, compare_and_swap: boo
                  backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> T:
     """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on transient errors.
 
-    With `compare_and_swap`, HTTP 412 (the head moved under the commit) is tried again at once. Any other
+    The first wait is `backoff_s`, recipe.CONFLICT_BACKOFF_S for a 409 (another commit in progress), and with
+    `compare_and_swap` recipe.CAS_BACKOFF_S for a 412 (the head moved under the commit) or a StaleHead. Any other
     error raises PushError with one line at once: retrying a 403 or a bug only hides it for minutes.
     """
     attempt = 1
@@ -165,13 +173,14 @@ def with_retries[T](what: str, action: Callable[[], T], *, compare_and_swap: boo
             return action()
         except Exception as error:  # noqa: BLE001 - sorted below: retried, or reported in one line
             status = http_status(error)
-            raced = compare_and_swap and status == 412
+            raced = compare_and_swap and (status == 412 or isinstance(error, StaleHead))
             if not raced and not is_transient(error):
                 hint = f": {_HINTS[status]}" if status in _HINTS else ""
                 raise PushError(f"{what} failed ({describe(error)}){hint}") from error
             if attempt >= recipe.PUSH_RETRIES:
                 raise PushError(f"{what} failed {attempt} times, last error: {describe(error)}") from error
-            wait = 0.0 if raced else backoff_s * 2 ** (attempt - 1)
+            first = recipe.CAS_BACKOFF_S if raced else recipe.CONFLICT_BACKOFF_S if status == 409 else backoff_s
+            wait = first * 2 ** (attempt - 1)
             logger.warning("push attempt %d/%d failed (%s); retrying in %.0fs", attempt, recipe.PUSH_RETRIES,
                            describe(error), wait)
             (sleep or time.sleep)(wait)
@@ -252,12 +261,44 @@ def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | No
 
 
 # --- Writes ----------------------------------------------------------------------------------------------------------
+class _Lineage:
+    """What this writer knows of a repo's head: its own last commit, and the heads it saw superseded."""
+
+    def __init__(self) -> None:
+        self.last: str | None = None
+        self.superseded: set[str] = set()
+
+    def parent(self, read: str) -> str:
+        """The head to build on, given what the Hub's head read answered: that answer, unless this writer knows
+        it is behind (repo_info can lag right after a commit); then this writer's own last commit."""
+        if read not in self.superseded:
+            return read
+        if self.last is not None and self.last not in self.superseded:
+            return self.last
+        raise StaleHead(f"the Hub still answers head {read[:12]}, which a later commit superseded")
+
+    def committed(self, parent: str | None, oid: str) -> None:
+        if parent is not None and parent != oid:  # an unchanged commit returns the head it found
+            self.superseded.add(parent)
+        self.last = oid
+
+
+_LINEAGES: weakref.WeakKeyDictionary[Any, dict[str, _Lineage]] = weakref.WeakKeyDictionary()
+
+
+def _lineage(api: Any, repo_id: str) -> _Lineage:
+    """This client's lineage of `repo_id` (one client per writer process)."""
+    return _LINEAGES.setdefault(api, {}).setdefault(repo_id, _Lineage())
+
+
 def commit(api: Any, repo_id: str, operations: list[Any], message: str, *, backoff_s: float = recipe.PUSH_BACKOFF_S,
            sleep: Callable[[float], None] | None = None) -> str:
     """Commit `operations` in one commit (retried as above); return the commit id (`CommitInfo.oid`)."""
-    return with_retries(f"commit {message!r} to {repo_id}",
-                        lambda: api.create_commit(repo_id, operations, commit_message=message).oid,
-                        backoff_s=backoff_s, sleep=sleep)
+    oid = with_retries(f"commit {message!r} to {repo_id}",
+                       lambda: api.create_commit(repo_id, operations, commit_message=message).oid,
+                       backoff_s=backoff_s, sleep=sleep)
+    _lineage(api, repo_id).committed(None, oid)
+    return oid
 
 
 def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str, *,
@@ -265,16 +306,48 @@ def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]],
     """Commit the files `build(head)` returns on top of `head`, rebuilding from the new head if it moved.
 
     `parent_commit` makes the Hub refuse (HTTP 412) a commit whose parent is no longer the head, so two
-    writers never overwrite each other's view: the loser rebuilds. Returns the commit id.
+    writers never overwrite each other's view: the loser waits and rebuilds. The head comes from `repo_info`,
+    except where that answers a head this writer saw superseded: then from its own last commit's
+    `CommitInfo.oid`, or, if that was superseded too, from a later read. Returns the commit id.
     """
     from huggingface_hub import CommitOperationAdd
 
+    lineage = _lineage(api, repo_id)
+
     def attempt() -> str:
-        head = api.repo_info(repo_id).sha
+        head = lineage.parent(api.repo_info(repo_id).sha)
         ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=data) for p, data in build(head).items()]
-        return api.create_commit(repo_id, ops, commit_message=message, parent_commit=head).oid
+        try:
+            oid = api.create_commit(repo_id, ops, commit_message=message, parent_commit=head).oid
+        except Exception as error:
+            if http_status(error) == 412:
+                lineage.superseded.add(head)
+            raise
+        lineage.committed(head, oid)
+        return oid
 
     return with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True, sleep=sleep)
+
+
+def require_write_access(api: Any, repo_id: str) -> None:
+    """Create `repo_id` (private) if it is missing, then prove that the client's token may write to it.
+
+    `create_repo(exist_ok=True)` alone proves nothing: it succeeds for an existing repo with a read-only token.
+    whoami's token role is no proof either: a fine-grained token's rights are per repo and per org, and reading
+    them back here would mean re-implementing the Hub's rules. The Hub's own auth-check of write access on this
+    repo (`HfApi.auth_check(write=True)`, GET /api/models/<repo>/auth-check/write) answers for exactly this token
+    on exactly this repo, whatever kind of token it is, and writes nothing.
+    """
+    from huggingface_hub.errors import HfHubHTTPError
+
+    api.create_repo(repo_id, private=True, exist_ok=True)
+    try:
+        api.auth_check(repo_id, write=True)
+    except HfHubHTTPError as error:
+        if http_status(error) not in (401, 403, 404):
+            raise
+        raise Failure(f"HF_TOKEN cannot write to {repo_id} ({describe(error)}): use a write token, or a "
+                      f"fine-grained token with write access to {repo_id}") from error
 
 
 def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, ignore: tuple[str, ...] = (),

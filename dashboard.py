@@ -5,13 +5,23 @@ job as its own run named after its job id, so the learning curve sits next to th
 is a private Space under the HF token's owner (recipe.DASHBOARD_SPACE). A dashboard never fails a run: when the
 Space cannot be reached or created, Trackio logs on the machine and one line says so.
 
+When trackio 0.43.0 creates the Space (trackio/deploy.py, `deploy_as_space`), it stores the token it runs under
+(the job's HF_TOKEN, a write token) in the Space as its `HF_TOKEN` secret, and turns on the Space's MCP server
+(`GRADIO_MCP_SERVER=True`); for a Space that already exists it does neither. `python dashboard.py prepare-space`
+creates the Space once beforehand, under the token you run it with (make it a fine-grained token scoped to that
+Space), and turns the MCP server off; jobs then find the Space and copy nothing into it.
+
 Imports nothing heavy (launch.py runs it in its own small environment); Trackio is imported when a run starts.
 """
 
 from __future__ import annotations
 
+import argparse
+import os
 import re
+import sys
 import time
+import warnings
 from collections.abc import Mapping
 from importlib.util import find_spec
 from typing import Any
@@ -19,6 +29,8 @@ from typing import Any
 import recipe
 
 SPACE_URL = "https://huggingface.co/spaces/{}"
+# How trackio 0.43.0's init says it could not find or create the Space (it warns and logs locally instead of raising).
+_SPACE_NOT_PREPARED = "could not prepare Space"
 LOCAL = "local"  # DASHBOARD_SPACE value: no Space, Trackio logs on the machine only
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
 
@@ -75,9 +87,11 @@ def _redacted(text: str, env: Mapping[str, str]) -> str:
 
 def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[str, str],
              config: dict[str, Any] | None = None) -> str | None:
-    """Start the Trackio run on the private Space, or locally when there is none or it fails; return the Space URL.
+    """Start the Trackio run on the private Space, or locally when there is none or it fails; return the Space URL,
+    or None when there is no dashboard (then no URL goes into the model card).
 
-    Prints one line either way: the dashboard URL, or where the local logs are and why.
+    Prints one line either way: the dashboard URL, or where the local logs are and why. trackio.init does not raise
+    when it cannot find or create the Space: it warns and logs locally, and that warning is what is checked.
     """
     import trackio
     from trackio.utils import TRACKIO_DIR
@@ -85,17 +99,71 @@ def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[st
     why = "no dashboard Space (DASHBOARD_SPACE=local)"
     if space_id:
         try:
-            trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
-                         config=config)
-            url = SPACE_URL.format(trackio.context_vars.current_space_id.get())
-            print(f"dashboard: {url} (project {project_name}, run {name})", flush=True)
-            return url
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
+                             config=config)
         except Exception as error:  # noqa: BLE001 - offline, no rights, Hub down: log locally, never fail the run
             why = f"Space {space_id} unavailable: {_redacted(f'{type(error).__name__}: {error}', env)[:300]}"
+        else:
+            refused = next((str(w.message) for w in caught if _SPACE_NOT_PREPARED in str(w.message)), None)
+            for w in caught:
+                if str(w.message) != refused:
+                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+            space = trackio.context_vars.current_space_id.get()
+            if refused is None:
+                url = SPACE_URL.format(space)
+                print(f"dashboard: {url} (project {project_name}, run {name})", flush=True)
+                return url
+            reason = _redacted(refused.split(": ", 1)[-1].split(". Logging will continue")[0], env)[:300]
+            print(f"dashboard: Trackio could not create Space {space} ({reason}): no dashboard: metrics are logged "
+                  f"locally to {TRACKIO_DIR}, lost when the job ends unless copied (project {project_name}, run "
+                  f"{name}); create the Space beforehand (README: dashboard) or set DASHBOARD_SPACE=local",
+                  flush=True)
+            return None
     trackio.init(project=project_name, name=name, resume="allow", config=config)
     print(f"dashboard: {why}; logging locally to {TRACKIO_DIR} (project {project_name}, run {name}; "
           f"view with `trackio show --project {project_name}`)", flush=True)
     return None
+
+
+def prepare_space(name: str) -> str:
+    """Create the private dashboard Space with Trackio's own deploy code, under this process's token, with its MCP
+    server off, so that no job's Trackio ever creates it (and copies the job's write token into it).
+
+    Trackio reads the token from the environment (HF_TOKEN, else the stored login) and stores it in the Space as
+    its `HF_TOKEN` secret: run this with a token scoped to that Space. Returns the Space id.
+    """
+    import huggingface_hub
+    from trackio import deploy
+
+    full = space_id(name, huggingface_hub.HfApi().whoami()["name"]) if "/" not in name else name
+    if not deploy.create_space_if_not_exists(full, private=True):
+        print(f"dashboard: {SPACE_URL.format(full)} exists: jobs' Trackio copies nothing into it (if a job created "
+              "it, it holds that job's HF_TOKEN as a secret: revoke that token, or delete the Space and rerun)")
+        return full
+    huggingface_hub.delete_space_variable(full, "GRADIO_MCP_SERVER")
+    print(f"dashboard: created {SPACE_URL.format(full)} (private, MCP server off); it holds the token you ran this "
+          "with as its HF_TOKEN secret; jobs' Trackio will find it and copy nothing into it", flush=True)
+    return full
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`prepare-space [SPACE]`: create the dashboard Space beforehand (see prepare_space)."""
+    import adapter_repo
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["prepare-space"])
+    parser.add_argument("space", nargs="?", default=space(os.environ),
+                        help=f"Space name or owner/name (env DASHBOARD_SPACE, default {recipe.DASHBOARD_SPACE})")
+    args = parser.parse_args(argv)
+
+    def run() -> None:
+        if args.space is None:
+            raise recipe.ConfigError(f"DASHBOARD_SPACE={LOCAL} means no Space: name the Space to prepare")
+        prepare_space(args.space)
+
+    return adapter_repo.run_cli("dashboard.py", run)
 
 
 class EvalDashboard:
@@ -132,3 +200,7 @@ class EvalDashboard:
 def for_eval(adapter_repo: str, kind: str, env: Mapping[str, str]) -> EvalDashboard | None:
     """The eval's dashboard when the reporter is Trackio (evals log to no other dashboard)."""
     return EvalDashboard(adapter_repo, kind, env) if reporter(env) == "trackio" else None
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -39,6 +39,11 @@ def checked_args(args: argparse.Namespace) -> None:
         recipe.require_repo_id(args.source, "--source")
     recipe.require_repo_id(args.target, "--target")
     recipe.require_repo_id(merged_repo(args), "--merged-target")
+    targets = [("--target", args.target)] + ([("--merged-target", merged_repo(args))] if args.merged else [])
+    for flag, repo in targets:
+        if repo.casefold() == args.source.casefold():  # the Hub resolves repo ids case-insensitively
+            raise recipe.ConfigError(f"{flag}={repo} is the training repo (--source {args.source}): publish to another "
+                                     "repo; pushing there would replace its final adapter and card")
 
 
 def merged_repo(args: argparse.Namespace) -> str:
@@ -157,18 +162,25 @@ def usage_section(target: str, merged: bool) -> str:
                 f'tokenizer = AutoTokenizer.from_pretrained("{target}")')
         imports = "from transformers import AutoModelForCausalLM, AutoTokenizer"
         serve = f"vllm serve {target} {tools}"
-    else:
-        load = (f'base = AutoModelForCausalLM.from_pretrained("{recipe.BASE_MODEL}", dtype="bfloat16")\n'
+    else:  # the base at the revision the adapter was trained on, never whatever `main` is later
+        rev = recipe.BASE_MODEL_REVISION
+        load = (f'base = AutoModelForCausalLM.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}", '
+                'dtype="bfloat16")\n'
                 f'model = PeftModel.from_pretrained(base, "{target}")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{recipe.BASE_MODEL}")')
+                f'tokenizer = AutoTokenizer.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}")')
         imports = "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer"
-        serve = (f"vllm serve {recipe.BASE_MODEL} --enable-lora --max-lora-rank {recipe.LORA_R} "
-                 f"--lora-modules {recipe.ADAPTER_SERVED_NAME}={target} {tools}")
-    return "\n".join([
+        serve = (f"vllm serve {recipe.BASE_MODEL} --revision {rev} --tokenizer-revision {rev} --enable-lora "
+                 f"--max-lora-rank {recipe.LORA_R} --lora-modules {recipe.ADAPTER_SERVED_NAME}={target} {tools}")
+    lines = [
         "## Use it", "", "With transformers:", "", "```python", imports, "", load, "```", "",
         "With vLLM (OpenAI-compatible server; OpenCode sends `tool_choice=auto`, so keep the tool-call flags):", "",
         "```bash", serve, "```", "",
-    ])
+    ]
+    if not merged:
+        lines += [f"The base model's revision is recorded in `adapter_config.json` (`revision`: "
+                  f"`{recipe.BASE_MODEL_REVISION}`), where PEFT's `AutoPeftModelForCausalLM` reads it to load the "
+                  "base; the Hub reads the metadata's `base_model` as a repo id only.", ""]
+    return "\n".join(lines)
 
 
 def model_card(target: str, checkpoint: str, steps: int | None, results: dict[str, Any] | None, merged: bool,

@@ -18,7 +18,8 @@ task-list checks the preflight reuses, imports it), in any shell:
     .venv/bin/python launch.py train --dry-run            # prints the job spec and the upload list, touches nothing
 
 Every check runs before anything is uploaded or started; each failure is one line with its fix.
-The token is read from HF_TOKEN (or the stored `hf auth login` token) and never printed.
+The token is read from HF_TOKEN (or the stored `hf auth login` token) and never printed. If the job's Trackio has
+to create the dashboard Space, it stores this token there as a secret: `dashboard.py prepare-space` avoids that.
 """
 
 from __future__ import annotations

@@ -1,8 +1,11 @@
 """Model-card metadata shared by the training repo's card (train_lora.py) and the published one (export_adapter.py).
 
 Built with `huggingface_hub.ModelCardData` / `EvalResult`, never hand-written YAML, so the Hub reads exactly what
-recipe.py says: the base model and its revision, the library, tags, both datasets with their revisions, the
-dashboard, and (published cards) a `model-index` from the finished eval.
+recipe.py says: the base model, the library, tags, both datasets, the dashboard, and (published cards) a
+`model-index` from the finished eval, whose `dataset.revision` is the test set's. The Hub reads `base_model` as a
+repo id only, and `base_model_revision` / `dataset_revisions` not at all (they are informational): the base model's
+machine-readable revision is adapter_config.json's `revision` (train_lora.lora_config), which PEFT's AutoPeftModel
+loads the base at; the card's usage snippets pass it too (export_adapter.usage_section).
 """
 
 from __future__ import annotations
@@ -40,7 +43,7 @@ def eval_results(doc: dict[str, Any]) -> list[Any]:
 
 def card_data(*, merged: bool = False, model_name: str | None = None, results: dict[str, Any] | None = None,
               dashboard_url: str | None = None) -> Any:
-    """The card's metadata: base model + revision, library, license, tags, datasets + revisions, model-index."""
+    """The card's metadata: base model, library, license, tags, datasets, model-index (+ informational revisions)."""
     from huggingface_hub import ModelCardData
 
     tags = TAGS + (["merged-lora"] if merged else [])

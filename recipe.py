@@ -184,6 +184,17 @@ OPENCODE_VERSION = "1.18.33"
 PUSH_RETRIES = 5
 # First wait between push attempts, doubled each retry (30+60+120+240 s rides out a Hub blip).
 PUSH_BACKOFF_S = 30.0
+# --- Shared adapter repo: commit conflicts (adapter_repo.with_retries) ---------------------------------------
+# Three writers commit to the adapter repo at once: the trainer's pushes, the watcher's results and the in-job final
+# eval (about 50 pushes for 500 cells). The Hub refuses a commit that overlaps another one on the same repo with
+# HTTP 409 "Another commit operation is in progress for this repository. Please try again later.", and
+# huggingface_hub does not retry it. A commit's files are uploaded before its commit call, so the call that holds
+# the repo takes seconds: first wait 5 s, doubled (5+10+20+40 s over PUSH_RETRIES attempts) outlasts a queue of them.
+CONFLICT_BACKOFF_S = 5.0
+# A compare-and-swap that lost (HTTP 412: another writer committed first), or a head read that still answers a head
+# this writer saw superseded (repo_info can lag right after a commit): wait before reading the head again, first
+# 2 s, doubled (2+4+8+16 s), instead of rebuilding at once against the same stale answer.
+CAS_BACKOFF_S = 2.0
 
 # Trainer weight-sync modes (weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
 WEIGHT_SYNC_MODES = ("merge_free", "stock")

@@ -159,6 +159,7 @@ def lora_config() -> LoraConfig:
         target_modules=list(recipe.LORA_TARGET_MODULES),
         bias="none",
         task_type="CAUSAL_LM",
+        revision=recipe.BASE_MODEL_REVISION,  # saved in adapter_config.json: AutoPeftModel loads the base there
     )
 
 
@@ -472,7 +473,7 @@ def train(
     check_device(settings)
     api = api if api is not None else hub_api(settings)
     # Before any model loads: a token that cannot write to ADAPTER_REPO fails here, not at step 100.
-    api.create_repo(settings.adapter_repo, private=True, exist_ok=True)
+    adapter_repo.require_write_access(api, settings.adapter_repo)
     resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
     resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
     trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api,

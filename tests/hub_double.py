@@ -8,6 +8,10 @@ kinds and defaults, no `**kwargs`: a call the real client refuses fails here too
 made by its own `hf_raise_for_status` from a real `httpx.Response` with the Hub's status and error code.
 `tests/test_hub_contract.py` checks all of that against the installed huggingface_hub.
 
+Two behaviours of the Hub reported from production (FACTS.md, "Hub commits") are modelled: a commit that overlaps
+another commit on the same repo is refused with HTTP 409 (`COMMIT_IN_PROGRESS`), and with `stale_reads` set, the
+head that `repo_info`/`model_info` answer lags behind a commit for that many reads, as the Hub's cache does.
+
 Not modelled: history. `revision` is accepted, but every read sees the latest tree.
 
 `run_job` mirrors huggingface_hub 2.4.0's `HfApi.run_job` (launch.py runs on >= 2.1.1; `expose_public` does not
@@ -29,6 +33,8 @@ from huggingface_hub.utils import hf_raise_for_status
 
 ENDPOINT = "https://huggingface.co"
 OWNER = "alice"  # the user every token belongs to here
+# What the Hub answers (HTTP 409) to a commit while another commit on the same repo is being applied.
+COMMIT_IN_PROGRESS = "Another commit operation is in progress for this repository. Please try again later."
 
 
 def raise_hub_error(status: int, url: str, message: str, error_code: str | None = None, method: str = "GET") -> None:
@@ -38,15 +44,26 @@ def raise_hub_error(status: int, url: str, message: str, error_code: str | None 
 
 
 class LocalHub:
-    """Repos as folders under `root`; `fail_uploads` makes the next N writes fail with HTTP `fail_status`."""
+    """Repos as folders under `root`; `fail_uploads` makes the next N writes fail with HTTP `fail_status`;
+    `stale_reads` makes the next N head reads after each commit answer the head before it.
+
+    `token_role` is the client's token as the Hub knows it: "write", "read", or "fineGrained" (then it may write to
+    the repos in `writable` only). As on the Hub, a token that may not write is refused (403) a commit, the creation
+    of a repo and `auth_check(..., write=True)`, while `create_repo(exist_ok=True)` of an existing repo succeeds.
+    (The 403 messages are this double's own; the Hub's wording was not read anywhere.)"""
 
     def __init__(self, root: Path) -> None:
         self.root = Path(root)
         self.fail_uploads = 0
         self.fail_status = 503
+        self.stale_reads = 0
+        self.token_role = "write"
+        self.writable: set[str] = set()
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths)
         self.jobs: list[dict[str, object]] = []  # run_job's arguments, as given
         self._heads: dict[str, int] = {}
+        self._stale: dict[str, tuple[str, int]] = {}  # repo -> (the head reads still answer, reads left)
+        self._committing: set[str] = set()  # repos with a commit being applied
         self._lock = threading.Lock()
 
     # -- repos -----------------------------------------------------------------
@@ -56,11 +73,17 @@ class LocalHub:
             raise_hub_error(404, f"{ENDPOINT}/api/models/{repo_id}", "Repository not found", "RepoNotFound")
         return path
 
+    def _may_write(self, repo_id: str) -> bool:
+        return self.token_role == "write" or (self.token_role == "fineGrained" and repo_id in self.writable)
+
     def create_repo(self, repo_id: str, *, private: bool | None = None, repo_type: str | None = None,
                     exist_ok: bool = False) -> RepoUrl:
         path = self.root / repo_id
         if path.exists() and not exist_ok:
             raise_hub_error(409, f"{ENDPOINT}/api/repos/create", "You already created this model repo", method="POST")
+        if not path.exists() and not self._may_write(repo_id):
+            raise_hub_error(403, f"{ENDPOINT}/api/repos/create", "You don't have the rights to create a model under "
+                            f"the namespace {repo_id.split('/')[0]!r}", method="POST")
         path.mkdir(parents=True, exist_ok=True)
         self._heads.setdefault(repo_id, 0)
         prefix = "datasets/" if repo_type == "dataset" else ""
@@ -70,11 +93,20 @@ class LocalHub:
                   repo_type: str | None = None) -> ModelInfo | DatasetInfo:
         self._repo(repo_id)
         info = DatasetInfo if repo_type == "dataset" else ModelInfo
-        return info(id=repo_id, sha=self.head(repo_id), private=True)
+        return info(id=repo_id, sha=self._read_head(repo_id), private=True)
 
     def model_info(self, repo_id: str, *, revision: str | None = None) -> ModelInfo:
         self._repo(repo_id)
-        return ModelInfo(id=repo_id, sha=self.head(repo_id), private=True)
+        return ModelInfo(id=repo_id, sha=self._read_head(repo_id), private=True)
+
+    def _read_head(self, repo_id: str) -> str:
+        """The head as an API read answers it: the one before the last commit while the cache still lags."""
+        with self._lock:
+            sha, left = self._stale.pop(repo_id, ("", 0))
+            if left > 0:
+                self._stale[repo_id] = (sha, left - 1)
+                return sha
+            return self.head(repo_id)
 
     def head(self, repo_id: str) -> str:
         """The repo's head commit id: a 40-hex id that changes with every commit."""
@@ -110,7 +142,17 @@ class LocalHub:
         return str(dest)
 
     # -- writes ----------------------------------------------------------------
+    def auth_check(self, repo_id: str, *, repo_type: str | None = None, write: bool = False) -> None:
+        """As the Hub's auth-check endpoint: 404 for a repo it cannot see, 403 when `write` and it may not write."""
+        self._repo(repo_id)
+        if write and not self._may_write(repo_id):
+            raise_hub_error(403, f"{ENDPOINT}/api/models/{repo_id}/auth-check/write",
+                            f"This token has no write access to {repo_id}")
+
     def _before_write(self, repo_id: str) -> None:
+        if not self._may_write(repo_id):
+            raise_hub_error(403, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
+                            f"This token has no write access to {repo_id}", method="POST")
         if self.fail_uploads > 0:
             self.fail_uploads -= 1
             raise_hub_error(self.fail_status, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
@@ -119,19 +161,31 @@ class LocalHub:
     def create_commit(self, repo_id: str, operations: list[CommitOperationAdd | CommitOperationDelete], *,
                       commit_message: str, repo_type: str | None = None,
                       parent_commit: str | None = None) -> CommitInfo:
-        """Apply operations atomically; with `parent_commit`, refuse if the head moved (412, like the Hub)."""
+        """Apply operations atomically, as the Hub does: refused with 409 while another commit on the repo is being
+        applied, and with `parent_commit`, refused with 412 if the head moved."""
+        url = f"{ENDPOINT}/api/models/{repo_id}/commit/main"
         with self._lock:
             self._before_write(repo_id)
             repo = self._repo(repo_id)
+            if repo_id in self._committing:
+                raise_hub_error(409, url, COMMIT_IN_PROGRESS, method="POST")
             if parent_commit is not None and parent_commit != self.head(repo_id):
-                raise_hub_error(412, f"{ENDPOINT}/api/models/{repo_id}/commit/main",
-                                "A commit has happened since. Please refresh and try again.", method="POST")
+                raise_hub_error(412, url, "A commit has happened since. Please refresh and try again.", method="POST")
+            self._committing.add(repo_id)
+        try:
             paths = [self._apply(repo, op) for op in operations]
-            self._heads[repo_id] = self._heads.get(repo_id, 0) + 1
-            self.commits.append((repo_id, commit_message, paths))
-            oid = self.head(repo_id)
-            return CommitInfo(commit_url=f"{ENDPOINT}/{repo_id}/commit/{oid}", commit_message=commit_message,
-                              commit_description="", oid=oid, pr_url=None)
+            with self._lock:
+                before = self.head(repo_id)
+                self._heads[repo_id] = self._heads.get(repo_id, 0) + 1
+                self.commits.append((repo_id, commit_message, paths))
+                if self.stale_reads:
+                    self._stale[repo_id] = (before, self.stale_reads)
+                oid = self.head(repo_id)
+        finally:
+            with self._lock:
+                self._committing.discard(repo_id)
+        return CommitInfo(commit_url=f"{ENDPOINT}/{repo_id}/commit/{oid}", commit_message=commit_message,
+                          commit_description="", oid=oid, pr_url=None)
 
     @staticmethod
     def _apply(repo: Path, op: CommitOperationAdd | CommitOperationDelete) -> str:
@@ -180,8 +234,14 @@ class LocalHub:
 
     # -- account ---------------------------------------------------------------
     def whoami(self, token: bool | str | None = None, *, cache: bool = False) -> dict:
-        """The token's owner, as the real `whoami` answers for a user token (the jobs below run under it)."""
-        return {"type": "user", "name": OWNER}
+        """The token's owner and its access token's role, as the real `whoami` answers for a user token (the jobs
+        below run under it); a fine-grained token lists the repos it is scoped to write."""
+        token = {"displayName": "test", "role": self.token_role}
+        if self.token_role == "fineGrained":
+            token["fineGrained"] = {"global": [], "scoped": [
+                {"entity": {"type": "model", "name": repo}, "permissions": ["repo.content.read", "repo.write"]}
+                for repo in sorted(self.writable)]}
+        return {"type": "user", "name": OWNER, "auth": {"type": "access_token", "accessToken": token}}
 
     # -- jobs ------------------------------------------------------------------
     def run_job(self, *, image: str, command: list[str], env: dict[str, object] | None = None,

@@ -3,17 +3,21 @@
 from __future__ import annotations
 
 import json
+import threading
+from pathlib import Path
 
 import httpx
 import pytest
-from hub_double import LocalHub, raise_hub_error
+from hub_double import COMMIT_IN_PROGRESS, LocalHub, raise_hub_error
+from huggingface_hub import CommitOperationAdd
+from huggingface_hub.errors import HfHubHTTPError
 
 import adapter_repo as ar
 import recipe
 
 REPO = "alice/LFM2.5-2.6B-opencode-lora-RL"
 TRANSIENT = [408, 429, 500, 502, 503, 504]
-PERMANENT = [400, 401, 403, 404, 409, 422]
+PERMANENT = [400, 401, 403, 404, 422]
 
 
 @pytest.fixture()
@@ -78,7 +82,7 @@ def test_412_is_a_lost_race_only_for_a_compare_and_swap():
     waits: list[float] = []
     action, calls = failing([hub_error(412)])
     assert ar.with_retries("cas", action, compare_and_swap=True, sleep=waits.append) == "done"
-    assert waits == [0.0] and len(calls) == 2
+    assert waits == [recipe.CAS_BACKOFF_S] and len(calls) == 2
     with pytest.raises(ar.PushError, match="HTTP 412"):
         ar.with_retries("plain", failing([hub_error(412)])[0], sleep=waits.append)
 
@@ -96,6 +100,95 @@ def test_compare_and_swap_rebuilds_on_the_new_head_and_returns_its_commit(hub):
     assert oid == hub.repo_info(REPO).sha and heads[0] != heads[1]
     assert json.loads((hub.root / REPO / "eval/mine.json").read_text()) == {"seen": heads[1]}
     assert (hub.root / REPO / "eval/other.json").read_bytes() == b"theirs"
+
+
+class BusyHub(LocalHub):
+    """LocalHub where another writer's commit of `slow.bin` stays in progress until `release` is set."""
+
+    def __init__(self, root: Path) -> None:
+        super().__init__(root)
+        self.applying, self.release = threading.Event(), threading.Event()
+
+    def _apply(self, repo: Path, op: CommitOperationAdd) -> str:
+        if op.path_in_repo == "slow.bin":
+            self.applying.set()
+            self.release.wait(timeout=30)
+        return LocalHub._apply(repo, op)
+
+
+def test_a_commit_that_overlaps_another_on_the_same_repo_waits_and_then_lands(tmp_path):
+    """Issue 26 (1): the Hub's 409 "another commit operation is in progress" is retried, not fatal."""
+    hub = BusyHub(tmp_path / "hub")
+    hub.create_repo(REPO)
+    other = threading.Thread(target=hub.create_commit, args=(REPO, [CommitOperationAdd("slow.bin", b"x")]),
+                             kwargs={"commit_message": "trainer: checkpoint"})
+    other.start()
+    assert hub.applying.wait(timeout=10)
+    with pytest.raises(HfHubHTTPError) as refused:  # what the real client raises for the Hub's answer
+        hub.create_commit(REPO, [CommitOperationAdd("eval/x.json", b"{}")], commit_message="probe")
+    assert refused.value.response.status_code == 409 and refused.value.server_message == COMMIT_IN_PROGRESS
+    waits: list[float] = []
+
+    def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        hub.release.set()  # the other commit finishes while this writer waits
+        other.join(timeout=10)
+
+    oid = ar.commit(hub, REPO, [CommitOperationAdd("eval/x.json", b"{}")], "eval: x", sleep=sleep)
+    assert waits == [recipe.CONFLICT_BACKOFF_S]
+    assert [m for _, m, _ in hub.commits] == ["trainer: checkpoint", "eval: x"] and oid == hub.head(REPO)
+
+
+def test_a_writer_builds_on_its_own_last_commit_while_the_head_read_still_lags(hub):
+    """Issue 26 (2): right after a commit repo_info may still answer the old head; the writer's own CommitInfo.oid
+    is the head, so its next compare-and-swap lands at once instead of losing to itself."""
+    hub.stale_reads = recipe.PUSH_RETRIES + 1  # the read lags for longer than every attempt
+    waits: list[float] = []
+    first = ar.commit_cas(hub, REPO, lambda head: {"eval/a.json": b"1"}, "eval: a", sleep=waits.append)
+    assert hub.repo_info(REPO).sha != first  # the double answers the stale head
+    heads: list[str] = []
+    second = ar.commit_cas(hub, REPO, lambda head: heads.append(head) or {"eval/b.json": b"2"}, "eval: b",
+                           sleep=waits.append)
+    assert heads == [first] and waits == [] and second == hub.head(REPO) != first
+
+
+def test_a_lost_compare_and_swap_waits_for_the_head_read_to_catch_up_before_rebuilding(hub):
+    """Issue 26 (2): after a 412 the loser backs off; a read that still answers the refused head is not rebuilt on."""
+    hub.stale_reads = 1
+    built: list[str] = []
+
+    def build(head: str) -> dict[str, bytes]:
+        built.append(head)
+        if len(built) == 1:  # another writer commits between this read and this commit
+            hub.upload_file(path_or_fileobj=b"theirs", path_in_repo="eval/other.json", repo_id=REPO)
+        return {"eval/mine.json": head.encode()}
+
+    waits: list[float] = []
+    oid = ar.commit_cas(hub, REPO, build, "eval: mine", sleep=waits.append)
+    assert waits == [recipe.CAS_BACKOFF_S, 2 * recipe.CAS_BACKOFF_S]  # the 412, then the one stale read
+    assert len(built) == 2 and built[0] != built[1] and oid == hub.head(REPO)
+    assert (hub.root / REPO / "eval/mine.json").read_text() == built[1]
+
+
+@pytest.mark.parametrize(("role", "writable"), [("read", set()), ("fineGrained", {"alice/another-repo"})],
+                         ids=["read-only", "fine-grained-other-repo"])
+def test_a_token_that_cannot_write_to_an_existing_repo_is_refused_in_one_line(hub, role, writable):
+    """Issue 26 (8): create_repo(exist_ok=True) succeeds for such a token; the Hub's write auth-check does not."""
+    hub.token_role, hub.writable = role, writable
+    hub.create_repo(REPO, private=True, exist_ok=True)  # the check train() had: it passes for this token
+    with pytest.raises(ar.Failure) as refused:
+        ar.require_write_access(hub, REPO)
+    line = str(refused.value)
+    assert line.startswith(f"HF_TOKEN cannot write to {REPO} (HTTP 403: ") and "\n" not in line
+    assert line.endswith(f"use a write token, or a fine-grained token with write access to {REPO}")
+
+
+@pytest.mark.parametrize("role", ["write", "fineGrained"])
+def test_a_token_that_may_write_passes_and_a_missing_repo_is_created_private(tmp_path, role):
+    hub = LocalHub(tmp_path / "hub")
+    hub.token_role, hub.writable = role, {REPO}
+    ar.require_write_access(hub, REPO)
+    assert hub.list_repo_files(REPO) == [] and hub.commits == []
 
 
 def test_the_watcher_and_the_full_eval_never_share_a_file():

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import huggingface_hub
 import pytest
+from huggingface_hub import CommitInfo
 
 import dashboard
 import recipe
+from tests.hub_double import ENDPOINT, raise_hub_error
 
 CANARY = "hf_" + "CanaryTokenValue0123456789abcdefXYZ"  # never in any output; assembled so scanners skip it
 
@@ -51,3 +53,113 @@ def test_eval_dashboard_failure_is_said_once_and_the_eval_goes_on(monkeypatch, c
 def test_run_is_named_after_the_job(env, name):
     assert dashboard.run_name("train", env) == name
     assert dashboard.project("you/LFM2.5-2.6B-opencode-lora-RL-smoke") == "LFM2.5-2.6B-opencode-lora-RL-smoke"
+
+
+class TrackioHub:
+    """The Hub as trackio 0.43.0's Space path calls it (trackio.init -> deploy.py), patched in at huggingface_hub.
+
+    Spaces in `spaces` exist; any other is not found, and creating one is refused with 403 when `refuse_create`
+    (a token that may not create Spaces: trackio then asks for a login, which a job without a terminal cannot give).
+    Every write is recorded in `calls`. The dashboard Space itself (trackio's RemoteClient) is not reachable here.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, spaces: set[str], refuse_create: bool = False) -> None:
+        import trackio
+
+        self.spaces, self.refuse_create = set(spaces), refuse_create
+        self.calls: list[tuple[str, ...]] = []
+        from trackio import deploy
+
+        for name in ("repo_info", "create_repo", "add_space_secret", "add_space_variable", "delete_space_variable",
+                     "login"):
+            monkeypatch.setattr(huggingface_hub, name, getattr(self, name))
+        monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda api, *a, **k: {"type": "user", "name": "alice"})
+        monkeypatch.setattr(deploy, "_warn_if_space_build_fails", lambda space_id: None)  # polls the Hub for 10 min
+        monkeypatch.setattr(huggingface_hub.HfApi, "space_info", lambda api, repo_id, **_: self.repo_info(repo_id))
+        monkeypatch.setattr(huggingface_hub.HfApi, "bucket_info", lambda api, bucket_id, **_: raise_hub_error(
+            404, f"{ENDPOINT}/api/buckets/{bucket_id}", "Bucket not found", "RepoNotFound"))
+        monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", lambda api, **kwargs: self.upload_file(**kwargs))
+        monkeypatch.setattr(trackio, "RemoteClient", self.remote_client)
+
+    def repo_info(self, repo_id: str, **_: object) -> huggingface_hub.SpaceInfo:
+        if repo_id not in self.spaces:
+            raise_hub_error(404, f"{ENDPOINT}/api/spaces/{repo_id}", "Repository not found", "RepoNotFound")
+        return huggingface_hub.SpaceInfo(id=repo_id, sdk="gradio", private=True)
+
+    def create_repo(self, repo_id: str, **kwargs: object) -> None:
+        if self.refuse_create:
+            raise_hub_error(403, f"{ENDPOINT}/api/repos/create", "You don't have the rights to create a space",
+                            method="POST")
+        self.calls.append(("create_repo", repo_id, str(kwargs.get("repo_type"))))
+        self.spaces.add(repo_id)
+
+    def upload_file(self, *, path_or_fileobj: object, path_in_repo: str, repo_id: str,
+                    **_: object) -> CommitInfo:
+        self.calls.append(("upload_file", repo_id, path_in_repo))
+        return CommitInfo(commit_url=f"{ENDPOINT}/spaces/{repo_id}/commit/{'0' * 40}", commit_message="",
+                          commit_description="", oid="0" * 40)
+
+    def add_space_secret(self, repo_id: str, key: str, value: str, **_: object) -> None:
+        self.calls.append(("add_space_secret", repo_id, key, value))
+
+    def add_space_variable(self, repo_id: str, key: str, value: str, **_: object) -> None:
+        self.calls.append(("add_space_variable", repo_id, key, value))
+
+    def delete_space_variable(self, repo_id: str, key: str, **_: object) -> None:
+        self.calls.append(("delete_space_variable", repo_id, key))
+
+    @staticmethod
+    def login(**_: object) -> None:
+        raise EOFError("EOF when reading a line")  # no terminal in a job
+
+    @staticmethod
+    def remote_client(space: str, **_: object) -> None:
+        raise ConnectionError(f"Could not connect to Space '{space}'. Is it running?")
+
+
+def test_a_space_trackio_cannot_create_gives_no_url_and_one_line_saying_so(monkeypatch, capsys, tmp_path):
+    """Issue 26 (12): trackio.init warns and falls back to local storage; the run must not claim the Space."""
+    hub = TrackioHub(monkeypatch, spaces=set(), refuse_create=True)
+    space = "alice/lfm-dashboard"
+    url = dashboard.init_run("dashboard-no-space", f"train-{tmp_path.name}", space, {"HF_TOKEN": CANARY})
+    out, err = capsys.readouterr()
+    assert url is None and hub.calls == [] and CANARY not in out + err
+    [line] = [line for line in out.splitlines() if line.startswith("dashboard:")]
+    assert line.startswith(f"dashboard: Trackio could not create Space {space} (") and "EOF" in line
+    assert "no dashboard: metrics are logged locally" in line and "lost when the job ends" in line
+    assert dashboard.SPACE_URL.format(space) not in line
+
+
+def test_trackio_copies_the_token_and_turns_on_mcp_only_when_it_creates_the_space(monkeypatch):
+    """Issue 26 (13), the fact README states, on trackio 0.43.0's own deploy code: a Space it creates gets the
+    token it runs under as the `HF_TOKEN` secret and an MCP server; a Space that exists gets neither."""
+    from trackio import deploy
+
+    monkeypatch.setenv("HF_TOKEN", CANARY)
+    hub = TrackioHub(monkeypatch, spaces={"alice/existing"})
+    assert deploy.create_space_if_not_exists("alice/new", private=True) is True
+    assert ("add_space_secret", "alice/new", "HF_TOKEN", CANARY) in hub.calls
+    assert ("add_space_variable", "alice/new", "GRADIO_MCP_SERVER", "True") in hub.calls
+    hub.calls.clear()
+    assert deploy.create_space_if_not_exists("alice/existing", private=True) is False and hub.calls == []
+
+
+def test_a_space_prepared_beforehand_keeps_the_jobs_token_out_of_it(monkeypatch, capsys):
+    """Issue 26 (13): `dashboard.py prepare-space` creates the Space under a token scoped to it, MCP off; the job's
+    Trackio (under the job's write token) then finds it and copies nothing into it."""
+    from trackio import deploy
+
+    scoped = "hf_" + "ScopedDashboardToken0123456789abcd"  # a fake, assembled so scanners skip it
+    monkeypatch.setenv("HF_TOKEN", scoped)
+    monkeypatch.setenv("DASHBOARD_SPACE", "lfm-dashboard")
+    hub = TrackioHub(monkeypatch, spaces=set())
+    assert dashboard.main(["prepare-space"]) == 0
+    assert ("create_repo", "alice/lfm-dashboard", "space") in hub.calls
+    assert ("add_space_secret", "alice/lfm-dashboard", "HF_TOKEN", scoped) in hub.calls
+    assert hub.calls[-1] == ("delete_space_variable", "alice/lfm-dashboard", "GRADIO_MCP_SERVER")
+    out = capsys.readouterr().out
+    assert f"dashboard: created {dashboard.SPACE_URL.format('alice/lfm-dashboard')} (private, MCP server off)" in out
+    assert scoped not in out
+    hub.calls.clear()
+    monkeypatch.setenv("HF_TOKEN", CANARY)  # the job
+    assert deploy.create_space_if_not_exists("alice/lfm-dashboard", private=True) is False and hub.calls == []

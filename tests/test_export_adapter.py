@@ -7,6 +7,7 @@ the adapter really changes the logits and a merge that dropped it would be caugh
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import tempfile
 import time
@@ -16,7 +17,7 @@ import pytest
 import torch
 import yaml
 from huggingface_hub import ModelCard
-from peft import PeftModel, get_peft_model
+from peft import PeftConfig, PeftModel, get_peft_model
 from transformers import AutoModelForCausalLM
 
 import adapter_repo
@@ -118,7 +119,8 @@ def test_local_export_card_and_adapter_round_trip(made, tmp_path, capsys):
     assert "| 2 | 2 | 4 | 1 |" in body
     # the two ways to use it
     assert f'PeftModel.from_pretrained(base, "{TARGET}")' in body
-    assert (f"vllm serve LiquidAI/LFM2.5-2.6B --enable-lora --max-lora-rank 32 --lora-modules opencode-lora={TARGET}"
+    assert (f"vllm serve LiquidAI/LFM2.5-2.6B --revision {recipe.BASE_MODEL_REVISION} --tokenizer-revision "
+            f"{recipe.BASE_MODEL_REVISION} --enable-lora --max-lora-rank 32 --lora-modules opencode-lora={TARGET}"
             in body)
     # the adapter loads back with PEFT and gives the trained adapter's logits
     config = json.loads((out / "adapter" / "adapter_config.json").read_text())
@@ -403,3 +405,33 @@ def test_bad_input_is_one_clear_line(made, tmp_path, capsys, case):
     assert rc == 2 and err.startswith("export_adapter.py: ") and err.count("\n") == 1, err
     assert expected in err
     assert not (tmp_path / "out" / "adapter").exists()
+
+
+@pytest.mark.parametrize("flags", [["--target", SOURCE], ["--target", SOURCE.upper()],
+                                   ["--target", TARGET, "--merged", "--merged-target", SOURCE]],
+                         ids=["target", "target-other-case", "merged-target"])
+def test_a_target_that_is_the_training_repo_is_refused_before_anything_is_downloaded(capsys, flags):
+    """Publishing over the training repo would replace its final adapter: the watcher would stop, resume refuse."""
+    argv = ["--source", SOURCE, "--checkpoint", "checkpoint-500", *flags]
+    rc, _, err = run(argv, capsys, env={"HF_TOKEN": CANARY}, make_api=lambda t: pytest.fail("no Hub client needed"))
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"export_adapter.py: --{'merged-' if '--merged' in flags else ''}target=") and (
+        f"is the training repo (--source {SOURCE}): publish to another repo" in err)
+
+
+def test_every_usage_snippet_loads_the_base_at_the_pinned_revision_which_the_adapter_records(made, tmp_path, capsys):
+    """Issue 26 (14): the card's snippets load the base the adapter was trained on, not whatever `main` is later;
+    the revision's machine-readable home is adapter_config.json's `revision` (PEFT's AutoPeftModel loads the
+    base there), and the card says so: the Hub reads `base_model` as a repo id only."""
+    out = tmp_path / "out"
+    rc, _, err = run(["--source", str(made["source"]), "--target", TARGET, "--local-dir", str(out)], capsys)
+    assert rc == 0, err
+    _, body = card_parts(out / "adapter" / "README.md")
+    revision = recipe.BASE_MODEL_REVISION
+    code = [line for block in re.findall(r"```\w+\n(.*?)```", body, re.S) for line in block.splitlines()]
+    loads_base = [line for line in code if recipe.BASE_MODEL in line]
+    assert len(loads_base) == 3, loads_base  # the model and the tokenizer with transformers, vllm serve
+    for line in loads_base:
+        assert f'revision="{revision}"' in line or f"--revision {revision} --tokenizer-revision {revision}" in line
+    assert PeftConfig.from_pretrained(str(out / "adapter")).revision == revision
+    assert f"`adapter_config.json` (`revision`: `{revision}`)" in body

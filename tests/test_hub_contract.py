@@ -75,7 +75,8 @@ def returned_types(method: str) -> tuple[type, ...]:
     """The classes named in the installed method's return annotation (Future and dry-run results left out)."""
     annotation = inspect.signature(getattr(HfApi, method)).return_annotation
     names = [n.strip().split("[")[0] for n in str(annotation).split("|")]
-    found = tuple(t for n in names if isinstance(t := vars(hf_api).get(n, getattr(builtins, n, None)), type))
+    found = tuple(t for n in names if isinstance(t := type(None) if n == "None" else vars(hf_api).get(
+        n, getattr(builtins, n, None)), type))
     assert found, f"cannot resolve {annotation!r}"
     return found
 
@@ -96,6 +97,7 @@ def calls(hub: LocalHub, tmp_path: Path) -> dict[str, object]:
     out["snapshot_download"] = hub.snapshot_download(REPO, local_dir=tmp_path / "snap", allow_patterns=["f/*"])
     out["run_job"] = hub.run_job(image="i", command=["true"], token="t")
     out["whoami"] = hub.whoami()
+    out["auth_check"] = hub.auth_check(REPO, write=True)
     return out
 
 

@@ -206,6 +206,19 @@ def test_no_cuda_device_is_refused_before_the_model_loads(model_dir, tmp_path, m
     assert hub.commits == [] and not (tmp_path / "hub" / REPO).exists()
 
 
+def test_a_token_that_cannot_write_to_the_existing_repo_is_refused_before_the_model_loads(model_dir, tmp_path,
+                                                                                       monkeypatch):
+    """Issue 26 (8): a read-only HF_TOKEN fails before step 1, not at the first checkpoint push."""
+    settings = train_lora.settings_from_env(run_env(model_dir, tmp_path))
+    hub = LocalHub(tmp_path / "hub")
+    hub.create_repo(REPO)
+    hub.token_role = "read"
+    monkeypatch.setattr(train_lora, "build_trainer",
+                        lambda *a, **k: pytest.fail("the trainer was built with a token that cannot write"))
+    with pytest.raises(adapter_repo.Failure, match=f"^HF_TOKEN cannot write to {REPO} "):
+        train_lora.train(settings, factory=functools.partial(FakeSessionFactory), api=hub)
+
+
 def test_harbor_env_missing_is_a_config_error_naming_the_pinned_commit(monkeypatch):
     monkeypatch.setitem(sys.modules, "harbor_env", None)  # Import of harbor_env.harness fails, as without the clone.
     with pytest.raises(recipe.ConfigError, match=recipe.OPENENV_COMMIT):
