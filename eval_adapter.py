@@ -10,10 +10,11 @@ the env server's capture proxy and checked here on every returned turn). One vLL
 the base model under its own name and the adapter as a runtime-loaded LoRA.
 
 Results are rewritten atomically after every cell and pushed every recipe.EVAL_PUSH_EVERY cells, so
-a killed eval (or a fresh job) re-runs only cells without a result. An unscorable cell (the rollout
-did not run or was not graded: infrastructure, not a wrong answer) is kept apart and retried up to
-recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json in the adapter repo
-(eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
+a killed eval (or a fresh job) re-runs only cells without a result. A graded rollout counts with its grade,
+also when its agent timed out or exited non-zero (`graded_reward`); an unscorable cell (no grade: the rollout
+did not run, no agent turn reached the model, or the verifier wrote no reward: infrastructure, not a wrong
+answer) is kept apart and retried up to recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json
+in the adapter repo (eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
 """
 
 from __future__ import annotations
@@ -229,6 +230,22 @@ def is_correct(reward: float) -> bool:
     return reward >= 1.0
 
 
+def graded_reward(result: Any) -> float | None:
+    """The grade a finished rollout earned the policy, or None when it has none (unscorable: infrastructure).
+
+    Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
+    (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
+    reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
+    or the proxy refused it: the verifier graded an untouched workspace) is no grade. The eval and rollout_guard
+    both decide with this.
+    """
+    reward = getattr(result, "reward", None)
+    turns = getattr(result, "turns", None) or []
+    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
+        return None
+    return float(reward)
+
+
 def submitted_max_tokens(result: Any) -> int | None:
     """Largest output cap the proxy actually sent to vLLM in this rollout, if it reported one."""
     caps = [t.sampling_params.get("max_tokens") for t in getattr(result, "turns", None) or []]
@@ -267,15 +284,18 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
         finally:
             session.close()
     check_output_cap(result)
-    ok = result is not None and getattr(result, "ok", False) and result.reward is not None
+    reward = graded_reward(result)
+    scored = reward is not None
     turns = [t for t in (getattr(result, "turns", None) or []) if t.role == "agent" and not t.discarded]
+    not_ok = scored and not getattr(result, "ok", False)  # graded, though the env server marked it failed
     return {
-        "reward": float(result.reward) if ok else None,
-        "correct": is_correct(float(result.reward)) if ok else None,
-        "unscorable": not ok,
+        "reward": reward,
+        "correct": is_correct(reward) if scored else None,
+        "unscorable": not scored,
         "tool_calls": sum(len(t.tool_calls) for t in turns),
         "model_calls": int(getattr(result, "n_turns", 0) or 0),
-        "error": None if ok else (error or _cell_error(session, result)),
+        "error": None if scored else (error or _cell_error(session, result)),
+        "rollout_error": (str(getattr(result, "error", "") or "")[:300] or None) if not_ok else None,
         "duration_s": round(time.monotonic() - start, 3),
     }
 
@@ -285,6 +305,8 @@ def _cell_error(session: Rollout, result: Any) -> str:
         return "rollout: " + str(getattr(session, "error", "") or "rollout call failed")[:300]
     if not getattr(result, "ok", False):
         return "rollout: " + str(getattr(result, "error", "") or "the env server reported the rollout failed")[:300]
+    if result.reward is not None:
+        return "rollout: no agent turn reached the model (the verifier graded an untouched workspace)"
     return "verifier: no reward (verifier did not grade)"
 
 
