@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -31,7 +32,7 @@ import recipe
 import rollout_guard
 
 REPORT_PATH = "smoke_report.json"
-SMOKE_SUFFIX = "-smoke"
+SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
 VERSIONED = ("vllm", "torch", "trl", "transformers", "peft", "openenv", "harbor")
 _UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
 
@@ -345,27 +346,45 @@ def render(report: dict[str, Any]) -> str:
 
 
 def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
-    """smoke_report.json at the repo root, one commit (adapter_repo's retries)."""
-    from huggingface_hub import CommitOperationAdd
-
+    """smoke_report.json at the repo root, and the run marked finished in the same commit (a watcher started later
+    waits for the next run instead of adopting this one's files)."""
     data = json.dumps(report, indent=1, sort_keys=True).encode()
-    adapter_repo.commit(api, repo_id, [CommitOperationAdd(path_in_repo=REPORT_PATH, path_or_fileobj=data)],
-                        f"smoke: {REPORT_PATH} ({report['verdict']})")
+
+    def build(head: str) -> dict[str, bytes]:
+        run = adapter_repo.read_json(api, repo_id, adapter_repo.SMOKE_RUN_PATH, revision=head)
+        finished = {adapter_repo.SMOKE_RUN_PATH: json.dumps({**run, "finished": True}).encode()} if run else {}
+        return {REPORT_PATH: data, **finished}
+
+    adapter_repo.commit_cas(api, repo_id, build, f"smoke: {REPORT_PATH} ({report['verdict']})")
 
 
 def clear(api: Any, repo_id: str) -> int:
-    """Delete an earlier smoke run's files, so this run's checkpoints, resume and eval are its own (-smoke only)."""
-    from huggingface_hub import CommitOperationDelete
+    """Delete an earlier smoke run's files, so this run's checkpoints, resume and eval are its own (-smoke only).
+
+    The same commit records this run (adapter_repo.SMOKE_RUN_PATH: a fresh id, the job, until when it can run), so a
+    watcher adopts only this run's files and starts over if a later run's clear replaces it. Returns the files deleted.
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     if not repo_id.endswith(SMOKE_SUFFIX):
         raise recipe.ConfigError(f"ADAPTER_REPO={repo_id} does not end with {SMOKE_SUFFIX}: a smoke run empties its "
                                  f"repo first, so it runs only on one (launch.py smoke adds {SMOKE_SUFFIX})")
     api.create_repo(repo_id, private=True, exist_ok=True)
-    stale = [f for f in api.list_repo_files(repo_id) if f != ".gitattributes"]
-    if stale:
-        adapter_repo.commit(api, repo_id, [CommitOperationDelete(path_in_repo=f) for f in stale],
-                            "smoke: clear the previous smoke run")
-    return len(stale)
+    now = time.time()
+    run = {"run": uuid.uuid4().hex, "job": os.environ.get("JOB_ID") or os.environ.get("HF_JOB_ID"),
+           "cleared_at": now, "expires_at": now + seconds(recipe.SMOKE_TIMEOUT), "finished": False}
+    marker = CommitOperationAdd(path_in_repo=adapter_repo.SMOKE_RUN_PATH, path_or_fileobj=json.dumps(run).encode())
+    message = f"smoke: clear the previous smoke run; this is run {run['run']}"
+
+    def attempt() -> int:  # on top of the head it listed: a file pushed meanwhile (a watcher's) cannot survive it
+        head = api.repo_info(repo_id).sha
+        stale = [f for f in api.list_repo_files(repo_id, revision=head)
+                 if f not in (".gitattributes", adapter_repo.SMOKE_RUN_PATH)]
+        api.create_commit(repo_id, [CommitOperationDelete(path_in_repo=f) for f in stale] + [marker],
+                          commit_message=message, parent_commit=head)
+        return len(stale)
+
+    return adapter_repo.with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True)
 
 
 def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:

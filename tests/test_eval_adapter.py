@@ -148,9 +148,9 @@ def test_unscorable_cells_are_retried_a_bounded_number_of_times(tmp_path, vllm):
     jobs = [("base", recipe.SERVED_MODEL_NAME, t) for t in _tasks(3)]
     ea.run_cells(factory, jobs, results, concurrency=2)
     cells = {c["task_index"]: c for c in results.doc["cells"]}
-    assert cells[0] | {"duration_s": 0} == {"side": "base", "task_index": 0, "task_name": "task_0", "attempts": 1,
-                                            "reward": 1.0, "correct": True, "unscorable": False, "tool_calls": 1,
-                                            "model_calls": 2, "error": None, "rollout_error": None,
+    assert cells[0] | {"duration_s": 0} == {"side": "base", "task_index": 0, "task_name": "task_0", "weights": "",
+                                            "attempts": 1, "reward": 1.0, "correct": True, "unscorable": False,
+                                            "tool_calls": 1, "model_calls": 2, "error": None, "rollout_error": None,
                                             "duration_s": 0}
     assert cells[1]["attempts"] == 2 and not cells[1]["unscorable"]
     assert cells[2]["attempts"] == recipe.EVAL_CELL_ATTEMPTS and cells[2]["unscorable"]
@@ -450,6 +450,33 @@ def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_d
     assert logged["final_eval/difference"] == s["paired"]["difference"]
     assert [logged["final_eval/difference_ci95_low"], logged["final_eval/difference_ci95_high"]] == s["paired"]["ci95"]
     assert [logged["final_eval/adapter_ci95_low"], logged["final_eval/adapter_ci95_high"]] == s["adapter"]["ci95"]
+
+
+def test_a_rerun_eval_reuses_only_cells_of_the_same_adapter_and_keeps_the_others(hub, vllm, adapter_dir, tmp_path):
+    """Issue 29 defect 3: the final adapter was rewritten (a relaunch trained one step more) after an eval. A re-run
+    evaluates the new weights on every task, reuses the base cells, and keeps the old adapter's cells apart."""
+    tasks = _tasks(4)
+    lora = ea.LoraServer(vllm.url)
+    push_folder(hub, REPO, adapter_dir, "")
+    first = ea.evaluate(hub, REPO, adapter_repo.FINAL, EvalFactoryDouble(vllm.url, lambda t, m: 0.0), tasks, lora,
+                        tmp_path / "work", concurrency=1)
+    assert first["summary"]["adapter"]["pass_at_1"] == 0.0
+    push_folder(hub, REPO, save_tiny_adapter(tmp_path / "rewritten", seed=1), "")  # other weights, same name
+
+    again = EvalFactoryDouble(vllm.url, lambda t, m: 1.0)
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, again, tasks, lora, tmp_path / "work", concurrency=1)
+    assert sorted(again.calls) == [(t, "opencode-lora-final") for t in range(4)]  # base cells reused, adapter redone
+    assert doc["summary"]["adapter"] | {"ci95": None} == {"tasks": 4, "scored": 4, "correct": 4, "unscorable": 0,
+                                                         "pass_at_1": 1.0, "ci95": None}
+    assert doc["summary"]["base"]["pass_at_1"] == 0.0
+    remote = json.loads((hub.root / REPO / "eval/final_results.json").read_text())
+    adapter_cells = [c for c in remote["cells"] if c["side"] == "adapter"]
+    assert len(adapter_cells) == 8 and sorted(c["reward"] for c in adapter_cells) == [0.0] * 4 + [1.0] * 4
+    assert len({c["weights"] for c in adapter_cells}) == 2 and doc["weights"]["adapter"].startswith("sha256:")
+
+    same = EvalFactoryDouble(vllm.url, lambda t, m: 1.0)  # the same weights once more: nothing to run
+    assert ea.evaluate(hub, REPO, adapter_repo.FINAL, same, tasks, lora, tmp_path / "fresh", concurrency=1)[
+        "summary"] == doc["summary"] and same.calls == []
 
 
 # --- run_eval.sh ---------------------------------------------------------------------------------------------------

@@ -252,6 +252,6 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
 def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
     assert len(hub.list_repo_files(REPO)) == 12  # 3 checkpoints x (adapter, config, state, marker)
     assert smoke_report.clear(hub, REPO) == 12
-    assert hub.list_repo_files(REPO) == []
+    assert hub.list_repo_files(REPO) == [adapter_repo.SMOKE_RUN_PATH]  # and this run, recorded for its watcher
     with pytest.raises(recipe.ConfigError, match="does not end with -smoke"):
         smoke_report.clear(hub, "you/LFM2.5-2.6B-opencode-lora-RL")
