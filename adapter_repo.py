@@ -49,6 +49,10 @@ WATCH_DIR = f"{EVAL_DIR}/watch"
 WATCH_BASE_PATH = f"{WATCH_DIR}/base.json"
 SUMMARY_PATH = f"{EVAL_DIR}/summary.json"
 CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
+# A smoke run's repo: <ADAPTER_REPO>-smoke, emptied by each smoke run, whose clear records the run it belongs to in
+# SMOKE_RUN_PATH (smoke_report.clear) so that a watcher adopts only that run's files (eval_watch.Watcher.adopt_run).
+SMOKE_SUFFIX = "-smoke"
+SMOKE_RUN_PATH = "smoke_run.json"
 _CHECKPOINT = rf"{FINAL}|{CHECKPOINT_PREFIX}[1-9][0-9]*"
 _WATCH_RESULTS = re.compile(rf"^{WATCH_DIR}/({_CHECKPOINT})\.json$")
 

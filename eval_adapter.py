@@ -10,16 +10,18 @@ the env server's capture proxy and checked here on every returned turn). One vLL
 the base model under its own name and the adapter as a runtime-loaded LoRA.
 
 Results are rewritten atomically after every cell and pushed every recipe.EVAL_PUSH_EVERY cells, so
-a killed eval (or a fresh job) re-runs only cells without a result. An unscorable cell (the rollout
-did not run or was not graded: infrastructure, not a wrong answer) is kept apart and retried up to
-recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json in the adapter repo
-(eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
+a killed eval (or a fresh job) re-runs only cells without a result. A graded rollout counts with its grade,
+also when its agent timed out or exited non-zero (`graded_reward`); an unscorable cell (no grade: the rollout
+did not run, no agent turn reached the model, or the verifier wrote no reward: infrastructure, not a wrong
+answer) is kept apart and retried up to recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json
+in the adapter repo (eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import hashlib
 import json
 import math
 import os
@@ -229,6 +231,22 @@ def is_correct(reward: float) -> bool:
     return reward >= 1.0
 
 
+def graded_reward(result: Any) -> float | None:
+    """The grade a finished rollout earned the policy, or None when it has none (unscorable: infrastructure).
+
+    Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
+    (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
+    reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
+    or the proxy refused it: the verifier graded an untouched workspace) is no grade. The eval and rollout_guard
+    both decide with this.
+    """
+    reward = getattr(result, "reward", None)
+    turns = getattr(result, "turns", None) or []
+    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
+        return None
+    return float(reward)
+
+
 def submitted_max_tokens(result: Any) -> int | None:
     """Largest output cap the proxy actually sent to vLLM in this rollout, if it reported one."""
     caps = [t.sampling_params.get("max_tokens") for t in getattr(result, "turns", None) or []]
@@ -267,15 +285,18 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
         finally:
             session.close()
     check_output_cap(result)
-    ok = result is not None and getattr(result, "ok", False) and result.reward is not None
+    reward = graded_reward(result)
+    scored = reward is not None
     turns = [t for t in (getattr(result, "turns", None) or []) if t.role == "agent" and not t.discarded]
+    not_ok = scored and not getattr(result, "ok", False)  # graded, though the env server marked it failed
     return {
-        "reward": float(result.reward) if ok else None,
-        "correct": is_correct(float(result.reward)) if ok else None,
-        "unscorable": not ok,
+        "reward": reward,
+        "correct": is_correct(reward) if scored else None,
+        "unscorable": not scored,
         "tool_calls": sum(len(t.tool_calls) for t in turns),
         "model_calls": int(getattr(result, "n_turns", 0) or 0),
-        "error": None if ok else (error or _cell_error(session, result)),
+        "error": None if scored else (error or _cell_error(session, result)),
+        "rollout_error": (str(getattr(result, "error", "") or "")[:300] or None) if not_ok else None,
         "duration_s": round(time.monotonic() - start, 3),
     }
 
@@ -285,11 +306,36 @@ def _cell_error(session: Rollout, result: Any) -> str:
         return "rollout: " + str(getattr(session, "error", "") or "rollout call failed")[:300]
     if not getattr(result, "ok", False):
         return "rollout: " + str(getattr(result, "error", "") or "the env server reported the rollout failed")[:300]
+    if result.reward is not None:
+        return "rollout: no agent turn reached the model (the verifier graded an untouched workspace)"
     return "verifier: no reward (verifier did not grade)"
 
 
-def cell_key(cell: dict[str, Any]) -> tuple[str, int]:
-    return (cell["side"], int(cell["task_index"]))
+# --- Which weights a cell scored ----------------------------------------------------------
+BASE_WEIGHTS = f"{recipe.BASE_MODEL}@{recipe.BASE_MODEL_REVISION}"
+
+
+def adapter_weights(adapter_dir: Path) -> str:
+    """The adapter's identity: sha256 of its files. Not the repo commit: that moves with every push (the eval's own
+    included) while the weights stay, and a rewritten `final` keeps its name with other weights."""
+    digest = hashlib.sha256()
+    for name in adapter_repo.ADAPTER_FILES:
+        digest.update(f"{name}\0".encode())
+        with (adapter_dir / name).open("rb") as data:
+            for chunk in iter(lambda: data.read(1 << 20), b""):
+                digest.update(chunk)
+    return f"sha256:{digest.hexdigest()}"
+
+
+def current_cells(doc: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cells of the weights `doc` is about (doc["weights"]: side -> identity); cells of other weights are kept in
+    the file but never counted or reused. A document without weights (written before they were recorded) is one."""
+    weights = doc.get("weights") or {}
+    return [c for c in doc.get("cells", []) if c.get("weights", "") == weights.get(c["side"], "")]
+
+
+def cell_key(cell: dict[str, Any]) -> tuple[str, int, str]:
+    return (cell["side"], int(cell["task_index"]), cell.get("weights", ""))
 
 
 def is_final(cell: dict[str, Any] | None) -> bool:
@@ -305,8 +351,8 @@ def better_cell(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str,
 
 
 def merge_cells(*lists: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Union of cell lists, one record per (side, task), sorted: never double-counts a cell."""
-    merged: dict[tuple[str, int], dict[str, Any]] = {}
+    """Union of cell lists, one record per (side, task, weights), sorted: never double-counts a cell."""
+    merged: dict[tuple[str, int, str], dict[str, Any]] = {}
     for cells in lists:
         for cell in cells:
             merged[cell_key(cell)] = better_cell(merged.get(cell_key(cell)), cell)
@@ -323,7 +369,8 @@ class ResultsFile:
         self._lock = threading.Lock()
 
     def cells(self) -> dict[tuple[str, int], dict[str, Any]]:
-        return {cell_key(c): c for c in self.doc["cells"]}
+        """(side, task) -> cell, of this document's weights only: what a run may reuse."""
+        return {(c["side"], int(c["task_index"])): c for c in current_cells(self.doc)}
 
     def record(self, cell: dict[str, Any]) -> None:
         with self._lock:
@@ -390,6 +437,7 @@ def _run_round(factory: SessionFactory, pending: list[Job], done: dict[tuple[str
                 side, _, task = running.pop(future)
                 previous = done.get((side, int(task["index"])))
                 cell = {"side": side, "task_index": int(task["index"]), "task_name": task.get("task_name", ""),
+                        "weights": (results.doc.get("weights") or {}).get(side, ""),
                         "attempts": (previous["attempts"] if previous else 0) + 1, **future.result()}
                 results.record(cell)
                 if on_cell:
@@ -489,10 +537,16 @@ def summarize(base: dict[str, float | None], adapter: dict[str, float | None]) -
 
 
 # --- Hub ---------------------------------------------------------------------------
-def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile) -> None:
-    """Push a results document, merging in cells another writer pushed meanwhile (nothing is lost)."""
+def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile,
+                 check: Callable[[str], None] | None = None) -> None:
+    """Push a results document, merging in cells another writer pushed meanwhile (nothing is lost).
+
+    `check(head)` may refuse the head it would commit on (raise): eval_watch's check that its smoke run is the repo's.
+    """
 
     def build(head: str) -> dict[str, bytes]:
+        if check is not None:
+            check(head)
         remote = adapter_repo.read_json(api, repo_id, path_in_repo, revision=head) or {}
         return {path_in_repo: results.absorb(remote.get("cells", []))}
 
@@ -500,11 +554,16 @@ def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
 
 
 def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: dict[str, Any]) -> ResultsFile:
-    """Open the local results, adopting cells (and completeness) already pushed to the repo (resume anywhere)."""
+    """Open the local results, adopting cells (and completeness) already pushed to the repo (resume anywhere).
+
+    Cells of other weights than `doc["weights"]` are kept, never reused; the repo's completeness counts only for the
+    same weights.
+    """
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
     remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}
     merged = merge_cells(cells, remote.get("cells", []))
-    results = ResultsFile(local, {**doc, "cells": merged, "complete": bool(remote.get("complete"))})
+    complete = bool(remote.get("complete")) and (remote.get("weights") or {}) == (doc.get("weights") or {})
+    results = ResultsFile(local, {**doc, "cells": merged, "complete": complete})
     write_json_atomic(local, results.doc)
     return results
 
@@ -523,6 +582,7 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
     doc = {
         "schema": 1, "kind": "full", "base_model": recipe.BASE_MODEL, "adapter_repo": repo_id,
         "checkpoint": checkpoint, "adapter_revision": revision, "dataset": recipe.TEST_DATASET,
+        "weights": {"base": BASE_WEIGHTS, "adapter": adapter_weights(adapter_dir)},
         "dataset_revision": recipe.TEST_REVISION, "tasks": tasks, "complete": False, "summary": None,
         "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS,
                      "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS},
@@ -542,7 +602,7 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
         run_cells(factory, jobs, results, concurrency, on_cell)
     finally:
         lora.unload(name)
-    cells = results.doc["cells"]
+    cells = current_cells(results.doc)
     results.doc["summary"] = summarize(rewards(cells, "base"), rewards(cells, "adapter"))
     results.doc["complete"] = True
     write_json_atomic(results.path, results.doc)

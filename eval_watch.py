@@ -14,6 +14,11 @@ watcher reuses them. Restart-safe: finished checkpoints are skipped, a half-done
 pushed cells, and every commit is a compare-and-swap on the repo head, so two watchers on one repo
 merge their cells instead of overwriting each other. Stops after evaluating the final adapter (repo
 root), or after MAX_IDLE_HOURS without a new checkpoint.
+
+On a smoke run's repo (<ADAPTER_REPO>-smoke, emptied by every smoke run) the watcher adopts only the live run the
+repo's clear recorded (smoke_run.json: not reported yet, within the smoke job's cap), waiting for it, and starts over
+when a later run's clear replaces it; every commit it makes checks, on the head it commits on, that its run is still
+the repo's.
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import recipe
 from adapter_repo import (
     CURVE_PATH,
     FINAL,
+    SMOKE_RUN_PATH,
+    SMOKE_SUFFIX,
     SUMMARY_PATH,
     WATCH_BASE_PATH,
     checkpoint_complete,
@@ -46,11 +53,14 @@ from adapter_repo import (
     watched_checkpoints,
 )
 from eval_adapter import (
+    BASE_WEIGHTS,
     HarborEvalFactory,
     LoraServer,
     ResultsFile,
     SessionFactory,
+    adapter_weights,
     choose_subset,
+    current_cells,
     eval_sampling,
     pull_results,
     push_results,
@@ -67,6 +77,17 @@ CURVE_INCHES = (8.0, 4.5)
 CURVE_DPI = 100  # => an 800 x 450 px image
 
 
+class RunReplaced(BaseException):  # noqa: N818 - a signal, not an error
+    """The smoke run being watched was cleared by a later one: start over on that one. A BaseException, so that no
+    push retry or per-cell handler (`except Exception`) takes it for a failure."""
+
+
+def live_run(marker: dict[str, Any] | None, now: float) -> bool:
+    """A smoke run that can still be running: recorded by its clear, not reported, and within its job's cap (a job
+    killed before its report is not)."""
+    return bool(marker) and not marker.get("finished") and now < float(marker.get("expires_at", 0))
+
+
 def discover(files: list[str]) -> list[tuple[int, str]]:
     """Complete checkpoints as (step, name), in step order; half-uploaded ones are left for a later poll."""
     return [(step, checkpoint_name(step)) for step in complete_checkpoints(files)]
@@ -74,14 +95,14 @@ def discover(files: list[str]) -> list[tuple[int, str]]:
 
 def checkpoint_entry(name: str, step: int, doc: dict[str, Any], base: dict[str, float | None]) -> dict[str, Any]:
     """One row of the learning curve, recounted from the checkpoint's own cells."""
-    s = summarize(base, rewards(doc.get("cells", []), "adapter"))
+    s = summarize(base, rewards(current_cells(doc), "adapter"))
     return {"checkpoint": name, "step": step, "complete": bool(doc.get("complete")), **s["adapter"],
             "paired": s["paired"]}
 
 
 def build_summary(base_doc: dict[str, Any], docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The rolling summary, recounted from the per-checkpoint files (never incremented, never double-counted)."""
-    base = rewards(base_doc.get("cells", []), "base")
+    base = rewards(current_cells(base_doc), "base")
     rows = [checkpoint_entry(name, int(doc["step"]), doc, base) for name, doc in docs.items()]
     rows.sort(key=lambda r: (r["checkpoint"] == FINAL, r["step"]))
     base_stats = summarize(base, {})["base"] if base else None
@@ -144,6 +165,9 @@ class Watcher:
         self.poll_s, self.max_idle_s, self.clock, self.sleep = poll_s, max_idle_s, clock, sleep
         self.board = board
         self.logged_steps: set[int] = set()
+        self.smoke = repo_id.endswith(SMOKE_SUFFIX)
+        self.run_id: str | None = None  # the smoke run watched
+        self.root_work = work
 
     # -- the subset and the base cells ------------------------------------------------------
     def subset_tasks(self) -> list[dict[str, Any]]:
@@ -167,16 +191,16 @@ class Watcher:
         def on_cell(_: dict[str, Any]) -> None:
             counter["n"] += 1
             if counter["n"] % recipe.EVAL_PUSH_EVERY == 0:
-                push_results(self.api, self.repo_id, path_in_repo, results)
+                push_results(self.api, self.repo_id, path_in_repo, results, self.check_run)
 
         run_cells(self.factory, [(side, model, t) for t in tasks], results, self.concurrency, on_cell)
         results.doc["complete"] = True
         write_json_atomic(results.path, results.doc)
-        push_results(self.api, self.repo_id, path_in_repo, results)
+        push_results(self.api, self.repo_id, path_in_repo, results, self.check_run)
 
     def ensure_base(self, tasks: list[dict[str, Any]]) -> None:
         """Base-model cells on the subset, computed once and kept in the repo."""
-        doc = {"schema": 1, "kind": "watch-base", "base_model": recipe.BASE_MODEL,
+        doc = {"schema": 1, "kind": "watch-base", "base_model": recipe.BASE_MODEL, "weights": {"base": BASE_WEIGHTS},
                "subset": [t["index"] for t in tasks], "complete": False,
                "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS}}
         results = self._results(WATCH_BASE_PATH, doc)
@@ -186,14 +210,15 @@ class Watcher:
 
     # -- one checkpoint ------------------------------------------------------------------------
     def evaluate(self, name: str, step: int, revision: str, tasks: list[dict[str, Any]]) -> None:
-        """Hot-load `name`, evaluate the cells it still lacks, unload it, commit its results."""
+        """Hot-load `name`, evaluate the cells its weights still lack, unload it, commit its results."""
         path_in_repo = watch_results_path(name)
+        adapter = download_adapter(self.api, self.repo_id, name, self.work / "adapters" / name, revision=revision)
         doc = {"schema": 1, "kind": "watch", "checkpoint": name, "step": step, "adapter_revision": revision,
-               "subset": [t["index"] for t in tasks], "complete": False}
+               "weights": {"adapter": adapter_weights(adapter)}, "subset": [t["index"] for t in tasks],
+               "complete": False}
         results = self._results(path_in_repo, doc)
         if results.doc.get("complete"):
             return
-        adapter = download_adapter(self.api, self.repo_id, name, self.work / "adapters" / name, revision=revision)
         model = served_name(name)
         logger.info("evaluating %s (step %d) as %s", name, step, model)
         self.lora.load(model, adapter)
@@ -207,6 +232,7 @@ class Watcher:
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
+            self.check_run(head)
             files = self.api.list_repo_files(self.repo_id, revision=head)
             base_doc = read_json(self.api, self.repo_id, WATCH_BASE_PATH, revision=head) or {}
             docs = {name: read_json(self.api, self.repo_id, path, revision=head)
@@ -258,16 +284,54 @@ class Watcher:
                 todo.append((step, name))
         return todo, final_done
 
+    # -- the smoke run watched -----------------------------------------------------------------
+    def adopt_run(self) -> str | None:
+        """The live smoke run the repo's clear recorded, waited for up to max_idle_s (None: none came); its work files
+        go to a folder of its own, so nothing of an earlier run is merged in."""
+        since = self.clock()
+        while True:
+            marker = read_json(self.api, self.repo_id, SMOKE_RUN_PATH)
+            if live_run(marker, time.time()):
+                self.work = self.root_work / marker["run"]
+                logger.info("watching smoke run %s of %s", marker["run"], self.repo_id)
+                return marker["run"]
+            if self.clock() - since > self.max_idle_s:
+                return None
+            logger.info("no live smoke run in %s (%s): waiting for the next smoke job's clear", self.repo_id,
+                        "its last run finished or ran out of time" if marker else f"no {SMOKE_RUN_PATH} yet")
+            self.sleep(self.poll_s)
+
+    def check_run(self, head: str) -> None:
+        """On a smoke repo: raise RunReplaced unless the run watched is still the repo's at `head`."""
+        if not self.smoke:
+            return
+        run = (read_json(self.api, self.repo_id, SMOKE_RUN_PATH, revision=head) or {}).get("run")
+        if run != self.run_id:
+            raise RunReplaced(f"smoke run {self.run_id} of {self.repo_id} was cleared by run {run}: starting over")
+
     def run(self) -> str:
         """Watch until the final adapter is evaluated ("final") or nothing new came for max_idle_s ("idle")."""
         for name, parent in self.lora.served().items():  # adapters a crashed watcher left loaded
             if parent is not None and name.startswith(recipe.ADAPTER_SERVED_NAME):
                 self.lora.unload(name)
+        while True:
+            try:
+                return self._watch()
+            except RunReplaced as replaced:
+                logger.info("%s", replaced)
+
+    def _watch(self) -> str:
+        if self.smoke:
+            self.run_id = self.adopt_run()
+            if self.run_id is None:
+                logger.info("no smoke run for %.1f h: stopping", self.max_idle_s / 3600)
+                return "idle"
         tasks = self.subset_tasks()
         self.ensure_base(tasks)
         last_new = self.clock()
         while True:
             head = self.api.repo_info(self.repo_id).sha
+            self.check_run(head)
             todo, final_done = self.pending(head)
             for step, name in todo:
                 self.evaluate(name, step, head, tasks)

@@ -4,7 +4,9 @@ TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollou
 `create()`, `wait_for_completion()` or `verify()` raises, but it turns a ValueError/TypeError/KeyError from
 `fetch_training_trace()` (or from reconciling its turns) into CaptureContractError, which stops the rollout worker
 and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
-with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward.
+with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward. Such a
+rollout fails here only when it has no grade (eval_adapter.graded_reward, the eval's rule): a graded one (an agent
+that timed out or exited non-zero) trains with its grade, if its capture passes the checks below.
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
@@ -26,6 +28,7 @@ from pathlib import Path
 from typing import Any
 
 import recipe
+from eval_adapter import graded_reward
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
@@ -167,7 +170,7 @@ class GuardedSession:
         return self.inner.call_tool(name, arguments)
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        """The inner wait; a non-zero exit or an exception other than TimeoutError fails the rollout."""
+        """The inner wait; an ungraded non-zero exit or an exception other than TimeoutError fails the rollout."""
         self._waiting = True
         try:
             code = self.inner.wait_for_completion() if timeout_s is None else self.inner.wait_for_completion(timeout_s)
@@ -178,8 +181,8 @@ class GuardedSession:
             raise self._fail("rollout", _describe(error)) from error
         finally:
             self._waiting, self._waited = False, True
-        if code:
-            result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
+        result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
+        if code and graded_reward(result) is None:  # graded (a timed-out or non-zero agent exit): trained as graded
             reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
             self._fail("rollout", f"exit code {code}" + (f": {reason}" if reason else ""))
         return code

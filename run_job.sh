@@ -89,6 +89,8 @@ smoke_preflight() {
   dry_run || { mkdir -p "$WORK_DIR"; : >"$STAGES_FILE"; }
   record_stage start preflight  # this step began before the file existed
   REPORT_HOOK=smoke_job_report
+  # Emptied (and this run recorded in it) before anything can read the repo: a watcher adopts only this run's files.
+  do_cmd "$PYTHON" "$HERE/smoke_report.py" clear
 }
 
 # The go/no-go report ($REPORT_HOOK, run at exit): one screen in the log, smoke_report.json pushed; 1 on NO-GO.
@@ -169,11 +171,10 @@ arm_watchdog() {
   STEP_NOTE="no optimizer step and no finished rollout for ${STALL_SECONDS}s ($HEARTBEAT_FILE) fails the job; so does any server exiting"
 }
 
-# 8. The trainer on its GPU, supervised until it exits. The smoke run empties its repo first and stops the trainer
-#    after its first checkpoint (STOP_AFTER_STEP), which step 9 resumes from the Hub.
+# 8. The trainer on its GPU, supervised until it exits. The smoke run (its repo emptied by the preflight) stops the
+#    trainer after its first checkpoint (STOP_AFTER_STEP), which step 9 resumes from the Hub.
 train() {
   if [ "$MODE" = smoke ]; then
-    do_cmd "$PYTHON" "$HERE/smoke_report.py" clear
     run_trainer trainer "$OUTPUT_DIR" STOP_AFTER_STEP="$STOP_AFTER_STEP"
     STEP_NOTE="trainer stopped after checkpoint-$STOP_AFTER_STEP (pushed)"
   else

@@ -1,6 +1,6 @@
 """The smoke run's stage budget and its go/no-go report.
 
-    python3 smoke_report.py plan                        # stage budget vs SMOKE_TIMEOUT and the margin (JSON: --json)
+    python3 smoke_report.py plan                        # stage budget, the cap and its margin (JSON: --json)
     python3 smoke_report.py clear                       # empty the -smoke repo before a smoke run (run_job.sh)
     python3 smoke_report.py report --work-dir W --stages F   # one screen, smoke_report.json pushed; exit 1 on NO-GO
 
@@ -21,6 +21,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
 from collections.abc import Callable, Iterable
 from importlib import metadata
 from pathlib import Path
@@ -32,7 +33,7 @@ import rollout_guard
 
 REPORT_PATH = "smoke_report.json"
 ROLLOUT_STATE = "rollout_state.json"  # TRL 1.15 writes it into every checkpoint
-SMOKE_SUFFIX = "-smoke"
+SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
 # TRL 1.15's per-step metrics the verdict reads (async_grpo_trainer.py): stale-dropped samples, trained samples and
 # trained groups, each counted since the previous logged step.
 STALE_KEY, SAMPLES_KEY, GROUPS_KEY = "sample/dropped_stale_total", "batch/samples_per_step", "batch/groups_per_step"
@@ -483,27 +484,47 @@ def render(report: dict[str, Any]) -> str:
 
 
 def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
-    """smoke_report.json at the repo root, one commit (adapter_repo's retries)."""
-    from huggingface_hub import CommitOperationAdd
-
+    """smoke_report.json at the repo root, and the run marked finished in the same commit (a watcher started later
+    waits for the next run instead of adopting this one's files)."""
     data = json.dumps(report, indent=1, sort_keys=True).encode()
-    adapter_repo.commit(api, repo_id, [CommitOperationAdd(path_in_repo=REPORT_PATH, path_or_fileobj=data)],
-                        f"smoke: {REPORT_PATH} ({report['verdict']})")
+
+    def build(head: str) -> dict[str, bytes]:
+        run = adapter_repo.read_json(api, repo_id, adapter_repo.SMOKE_RUN_PATH, revision=head)
+        finished = {adapter_repo.SMOKE_RUN_PATH: json.dumps({**run, "finished": True}).encode()} if run else {}
+        return {REPORT_PATH: data, **finished}
+
+    adapter_repo.commit_cas(api, repo_id, build, f"smoke: {REPORT_PATH} ({report['verdict']})")
 
 
-def clear(api: Any, repo_id: str) -> int:
-    """Delete an earlier smoke run's files, so this run's checkpoints, resume and eval are its own (-smoke only)."""
-    from huggingface_hub import CommitOperationDelete
+def clear(api: Any, repo_id: str, cap_s: int | None = None) -> int:
+    """Delete an earlier smoke run's files, so this run's checkpoints, resume and eval are its own (-smoke only).
+
+    The same commit records this run (adapter_repo.SMOKE_RUN_PATH: a fresh id, the job, until when it can run), so a
+    watcher adopts only this run's files and starts over if a later run's clear replaces it. `cap_s`: the job's cap
+    (its plan's; the recipe's 20-step smoke by default). Returns the files deleted.
+    """
+    from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
     if not repo_id.endswith(SMOKE_SUFFIX):
         raise recipe.ConfigError(f"ADAPTER_REPO={repo_id} does not end with {SMOKE_SUFFIX}: a smoke run empties its "
                                  f"repo first, so it runs only on one (launch.py smoke adds {SMOKE_SUFFIX})")
     api.create_repo(repo_id, private=True, exist_ok=True)
-    stale = [f for f in api.list_repo_files(repo_id) if f != ".gitattributes"]
-    if stale:
-        adapter_repo.commit(api, repo_id, [CommitOperationDelete(path_in_repo=f) for f in stale],
-                            "smoke: clear the previous smoke run")
-    return len(stale)
+    now = time.time()
+    run = {"run": uuid.uuid4().hex, "job": os.environ.get("JOB_ID") or os.environ.get("HF_JOB_ID"),
+           "cleared_at": now, "expires_at": now + (plan()["cap_s"] if cap_s is None else cap_s),
+           "finished": False}
+    marker = CommitOperationAdd(path_in_repo=adapter_repo.SMOKE_RUN_PATH, path_or_fileobj=json.dumps(run).encode())
+    message = f"smoke: clear the previous smoke run; this is run {run['run']}"
+
+    def attempt() -> int:  # on top of the head it listed: a file pushed meanwhile (a watcher's) cannot survive it
+        head = api.repo_info(repo_id).sha
+        stale = [f for f in api.list_repo_files(repo_id, revision=head)
+                 if f not in (".gitattributes", adapter_repo.SMOKE_RUN_PATH)]
+        api.create_commit(repo_id, [CommitOperationDelete(path_in_repo=f) for f in stale] + [marker],
+                          commit_message=message, parent_commit=head)
+        return len(stale)
+
+    return adapter_repo.with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True)
 
 
 def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -598,7 +619,8 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
     api = make_api(token)
     if args.command == "clear":
         try:
-            print(f"smoke_report: cleared {clear(api, repo_id)} files of the previous smoke run from {repo_id}")
+            cap = plan(int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS))["cap_s"]
+            print(f"smoke_report: cleared {clear(api, repo_id, cap)} files of the previous smoke run from {repo_id}")
         except (recipe.ConfigError, adapter_repo.PushError) as error:
             print(f"smoke_report: {error}", file=sys.stderr)
             return 2

@@ -109,20 +109,26 @@ class FaultySession(FakeSession):
     rollout makes `wait_for_completion()` return 1 with `result.ok` False and `result.error` set, never raise,
     and `verify()` still forwards `result.reward`, which a capture-failed rollout may carry (openenv 0.10.0
     harbor/rollout.py: "One such rollout even carried reward=1.0"). `capture` raises what openenv 0.10.0's
-    `harbor/contract.py::to_training_trace` raises for a capture with a fatal validation finding.
+    `harbor/contract.py::to_training_trace` raises for a capture with a fatal validation finding. `agent_exit` is a
+    graded rollout whose agent exited non-zero: exit 1, `ok` False, its reward and agent turn kept.
     """
 
     def __init__(self, fault: str, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fault = fault
         self.result = SimpleNamespace(ok=fault != "sandbox", error="sandbox failed to boot", reward=1.0)
+        if fault == "agent_exit":  # OpenEnv 0.10.0 run_rollout's result when Harbor grades a non-zero agent exit
+            from openenv.harbor.models import HarborRolloutResult, HarborTurn
+
+            self.result = HarborRolloutResult(ok=False, reward=0.0, error="opencode exited with code 1",
+                                              exception_type="NonZeroAgentExitCodeError", turns=[HarborTurn(turn=0)])
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         if self.fault == "agent_crash":
             raise ConnectionResetError("env server connection reset mid-rollout")
         if self.fault == "timeout":
             raise TimeoutError("agent did not finish within its timeout")
-        return 1 if self.fault == "sandbox" else 0
+        return 1 if self.fault in ("sandbox", "agent_exit") else 0
 
     def fetch_training_trace(self) -> TrainingTrace:
         if self.fault == "capture":

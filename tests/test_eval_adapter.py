@@ -148,14 +148,101 @@ def test_unscorable_cells_are_retried_a_bounded_number_of_times(tmp_path, vllm):
     jobs = [("base", recipe.SERVED_MODEL_NAME, t) for t in _tasks(3)]
     ea.run_cells(factory, jobs, results, concurrency=2)
     cells = {c["task_index"]: c for c in results.doc["cells"]}
-    assert cells[0] | {"duration_s": 0} == {"side": "base", "task_index": 0, "task_name": "task_0", "attempts": 1,
-                                            "reward": 1.0, "correct": True, "unscorable": False, "tool_calls": 1,
-                                            "model_calls": 2, "error": None, "duration_s": 0}
+    assert cells[0] | {"duration_s": 0} == {"side": "base", "task_index": 0, "task_name": "task_0", "weights": "",
+                                            "attempts": 1, "reward": 1.0, "correct": True, "unscorable": False,
+                                            "tool_calls": 1, "model_calls": 2, "error": None, "rollout_error": None,
+                                            "duration_s": 0}
     assert cells[1]["attempts"] == 2 and not cells[1]["unscorable"]
     assert cells[2]["attempts"] == recipe.EVAL_CELL_ATTEMPTS and cells[2]["unscorable"]
     assert cells[2]["correct"] is None and "sandbox failed" in cells[2]["error"]
     assert [t for t, _ in factory.calls].count(2) == recipe.EVAL_CELL_ATTEMPTS
     assert json.loads((tmp_path / "r.json").read_text()) == results.doc  # written through to disk
+
+
+class _Finished:
+    """A rollout that already ended with `result` (a real HarborRolloutResult), as HarborEvalSession leaves it."""
+
+    def __init__(self, result):
+        self.result = result
+
+    def wait_for_completion(self):
+        return 0 if self.result.ok else 1
+
+    def close(self):
+        pass
+
+
+def _timed_out(reward):
+    """What openenv 0.10.0's run_rollout returns when Harbor grades a rollout whose agent timed out (rollout.py:
+    Harbor's exception_info makes it ok=False, the verifier's reward is kept). The agent made model calls."""
+    from openenv.harbor.models import HarborRolloutResult, HarborTurn
+
+    return HarborRolloutResult(ok=False, reward=reward, rollout_type="eval", capture_level="text",
+                               exception_type="AgentTimeoutError", n_turns=3,
+                               error="Agent execution timed out after 600.0 seconds", turns=[HarborTurn(turn=0)])
+
+
+def test_a_graded_rollout_counts_with_its_grade_though_its_agent_timed_out(tmp_path):
+    """Issue 29 defect 6: 3 solved, 5 timed out (graded 0), 2 wrong of 10 is pass@1 0.3, each cell run once."""
+    from openenv.harbor.models import HarborRolloutResult, HarborTurn
+
+    def done(reward):
+        return HarborRolloutResult(ok=True, reward=reward, rollout_type="eval", capture_level="text", n_turns=2,
+                                   turns=[HarborTurn(turn=0)])
+
+    outcomes = [done(1.0)] * 3 + [_timed_out(0.0)] * 5 + [done(0.0)] * 2
+    calls: list[int] = []
+
+    def factory(task, model):
+        calls.append(task)
+        return _Finished(outcomes[task])
+
+    results = ea.ResultsFile(tmp_path / "r.json", {})
+    ea.run_cells(factory, [("base", recipe.SERVED_MODEL_NAME, t) for t in _tasks(10)], results, concurrency=2)
+    stats = ea.side_stats(ea.rewards(results.doc["cells"], "base"))
+    assert (stats["pass_at_1"], stats["scored"], stats["unscorable"]) == (0.3, 10, 0)
+    assert sorted(calls) == list(range(10))  # a graded cell is final: no retry
+    timed_out = [c for c in results.doc["cells"] if 3 <= c["task_index"] < 8]
+    assert all(c["correct"] is False and c["error"] is None for c in timed_out)
+    assert all(c["rollout_error"] == "Agent execution timed out after 600.0 seconds" for c in timed_out)
+
+
+def test_a_rollout_whose_agent_never_reached_the_model_is_unscorable_though_graded(tmp_path, monkeypatch):
+    """OpenEnv's own run_rollout (only Harbor's trial is a stand-in: no sandbox here): the agent exits non-zero before
+    any model call (e.g. the proxy refused its key) and the verifier grades the untouched workspace 0. The policy did
+    nothing: unscorable, retried, never a wrong answer."""
+    import asyncio
+    from types import SimpleNamespace
+
+    import harbor.trial.trial as harbor_trial
+    from harbor.agents.installed.base import NonZeroAgentExitCodeError
+    from harbor.models.trial.result import ExceptionInfo
+    from harbor_fixture import materialized
+    from openenv.core.harness.capture.sessions import SessionRegistry
+    from openenv.harbor.rollout import run_rollout
+
+    class Trial:
+        async def run(self):
+            try:
+                raise NonZeroAgentExitCodeError("opencode exited with code 1")
+            except NonZeroAgentExitCodeError as exc:
+                info = ExceptionInfo.from_exception(exc)
+            return SimpleNamespace(verifier_result=SimpleNamespace(rewards={"reward": 0.0}), exception_info=info,
+                                   step_results=None, trial_uri=None)
+
+    async def create(config):
+        return Trial()
+
+    monkeypatch.setattr(harbor_trial.Trial, "create", staticmethod(create))
+    task_dir = next((materialized(tmp_path / "tasks") / "test" / "tasks").iterdir())
+    result = asyncio.run(run_rollout(
+        task_dir=task_dir, harness="opencode", sandbox=recipe.SANDBOX, registry=SessionRegistry(),
+        intercept_url="http://127.0.0.1:9/capture", model=recipe.SERVED_MODEL_NAME, trials_dir=tmp_path / "trials",
+        purpose="eval", eval_sampling=ea.eval_sampling(), capture_level="text"))
+    assert (result.ok, result.reward, result.exception_type) == (False, 0.0, "NonZeroAgentExitCodeError")
+    cell = ea.run_cell(lambda task, model: _Finished(result), 0, recipe.SERVED_MODEL_NAME)
+    assert cell["unscorable"] and cell["reward"] is None and cell["correct"] is None
+    assert cell["error"].startswith("rollout: opencode exited with code 1")
 
 
 def test_killed_eval_resumes_and_reruns_only_cells_without_a_result(tmp_path, vllm):
@@ -363,6 +450,33 @@ def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_d
     assert logged["final_eval/difference"] == s["paired"]["difference"]
     assert [logged["final_eval/difference_ci95_low"], logged["final_eval/difference_ci95_high"]] == s["paired"]["ci95"]
     assert [logged["final_eval/adapter_ci95_low"], logged["final_eval/adapter_ci95_high"]] == s["adapter"]["ci95"]
+
+
+def test_a_rerun_eval_reuses_only_cells_of_the_same_adapter_and_keeps_the_others(hub, vllm, adapter_dir, tmp_path):
+    """Issue 29 defect 3: the final adapter was rewritten (a relaunch trained one step more) after an eval. A re-run
+    evaluates the new weights on every task, reuses the base cells, and keeps the old adapter's cells apart."""
+    tasks = _tasks(4)
+    lora = ea.LoraServer(vllm.url)
+    push_folder(hub, REPO, adapter_dir, "")
+    first = ea.evaluate(hub, REPO, adapter_repo.FINAL, EvalFactoryDouble(vllm.url, lambda t, m: 0.0), tasks, lora,
+                        tmp_path / "work", concurrency=1)
+    assert first["summary"]["adapter"]["pass_at_1"] == 0.0
+    push_folder(hub, REPO, save_tiny_adapter(tmp_path / "rewritten", seed=1), "")  # other weights, same name
+
+    again = EvalFactoryDouble(vllm.url, lambda t, m: 1.0)
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, again, tasks, lora, tmp_path / "work", concurrency=1)
+    assert sorted(again.calls) == [(t, "opencode-lora-final") for t in range(4)]  # base cells reused, adapter redone
+    assert doc["summary"]["adapter"] | {"ci95": None} == {"tasks": 4, "scored": 4, "correct": 4, "unscorable": 0,
+                                                         "pass_at_1": 1.0, "ci95": None}
+    assert doc["summary"]["base"]["pass_at_1"] == 0.0
+    remote = json.loads((hub.root / REPO / "eval/final_results.json").read_text())
+    adapter_cells = [c for c in remote["cells"] if c["side"] == "adapter"]
+    assert len(adapter_cells) == 8 and sorted(c["reward"] for c in adapter_cells) == [0.0] * 4 + [1.0] * 4
+    assert len({c["weights"] for c in adapter_cells}) == 2 and doc["weights"]["adapter"].startswith("sha256:")
+
+    same = EvalFactoryDouble(vllm.url, lambda t, m: 1.0)  # the same weights once more: nothing to run
+    assert ea.evaluate(hub, REPO, adapter_repo.FINAL, same, tasks, lora, tmp_path / "fresh", concurrency=1)[
+        "summary"] == doc["summary"] and same.calls == []
 
 
 # --- run_eval.sh ---------------------------------------------------------------------------------------------------

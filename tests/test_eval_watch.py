@@ -20,6 +20,7 @@ import eval_adapter as ea
 import eval_watch as ew
 import export_adapter
 import recipe
+import smoke_report
 from adapter_repo import COMPLETE_MARKER, push_folder
 from tests import offline
 
@@ -81,8 +82,8 @@ def watcher(hub, vllm, factory, work, clock=None, **kwargs):
                       poll_s=60, max_idle_s=kwargs.pop("max_idle_s", 3600), clock=clock, sleep=clock.sleep, **kwargs)
 
 
-def repo_json(hub, path):
-    return json.loads((hub.root / REPO / path).read_text())
+def repo_json(hub, path, repo=REPO):
+    return json.loads((hub.root / repo / path).read_text())
 
 
 def png_size(data: bytes) -> tuple[int, int]:
@@ -332,6 +333,63 @@ def test_concurrent_cell_pushes_merge_instead_of_overwriting(hub, tmp_path):
     ea.push_results(hub, REPO, path, mine)
     cells = repo_json(hub, path)["cells"]
     assert [(c["task_index"], c["reward"]) for c in cells] == [(1, 1.0), (2, 0.0)]
+
+
+# --- a smoke run's watcher (issue 26 item 4) --------------------------------------------------------------------------
+SMOKE = REPO + smoke_report.SMOKE_SUFFIX
+
+
+def smoke_watcher(hub, vllm, factory, work, clock):
+    return ew.Watcher(hub, SMOKE, factory, ea.LoraServer(vllm.url), TASKS, work, n_tasks=N_TASKS, concurrency=1,
+                      poll_s=60, max_idle_s=3600, clock=clock, sleep=clock.sleep)
+
+
+def smoke_run(hub, adapter_dir, tmp_path, vllm):
+    """A whole earlier smoke run with its watcher: cleared, checkpoint-2 and final pushed and watched, reported."""
+    hub.create_repo(SMOKE)
+    smoke_report.clear(hub, SMOKE)
+    push_folder(hub, SMOKE, adapter_dir, "checkpoint-2", marker=True)
+    push_folder(hub, SMOKE, adapter_dir, "")
+    first = EvalFactoryDouble(vllm.url, outcome)
+    assert smoke_watcher(hub, vllm, first, tmp_path / "first", Clock()).run() == "final" and first.calls
+
+
+def test_a_smoke_watcher_started_before_a_reruns_clear_adopts_only_the_rerun(hub, vllm, adapter_dir, tmp_path):
+    """The previous smoke run's complete eval/watch/* files are there when the watcher starts; the re-run's clear comes
+    later. The watcher waits for it and evaluates the re-run's own checkpoints, not 0 rollouts and "final"."""
+    smoke_run(hub, adapter_dir, tmp_path, vllm)
+    smoke_report.push(hub, SMOKE, {"verdict": "GO"})
+    rewritten = save_tiny_adapter(tmp_path / "rerun", seed=1)
+    clock = Clock(lambda: smoke_report.clear(hub, SMOKE),
+                  lambda: push_folder(hub, SMOKE, rewritten, "checkpoint-2", marker=True),
+                  lambda: push_folder(hub, SMOKE, rewritten, ""))
+    factory = EvalFactoryDouble(vllm.url, outcome)
+    assert smoke_watcher(hub, vllm, factory, tmp_path / "second", clock).run() == "final"
+    models = [m for _, m in factory.calls]
+    assert [m for i, m in enumerate(models) if i == 0 or models[i - 1] != m] == [
+        recipe.SERVED_MODEL_NAME, "opencode-lora-checkpoint-2", "opencode-lora-final"]
+    assert models.count("opencode-lora-final") == N_TASKS
+    for path in (adapter_repo.WATCH_BASE_PATH, adapter_repo.watch_results_path("checkpoint-2")):
+        assert repo_json(hub, path, SMOKE)["complete"]
+    assert repo_json(hub, adapter_repo.SUMMARY_PATH, SMOKE)["final_evaluated"]
+
+
+def test_a_smoke_watcher_whose_run_is_cleared_under_it_starts_over_on_the_new_run(hub, vllm, adapter_dir, tmp_path):
+    """The watcher adopted a live smoke run and stored its base cells; then a re-run's clear deleted
+    eval/watch/base.json under it. It starts over on the new run: the base cells are there at the end."""
+    hub.create_repo(SMOKE)
+    smoke_report.clear(hub, SMOKE)  # the run the watcher adopts
+    clock = Clock(lambda: smoke_report.clear(hub, SMOKE),  # a re-run's clear, after the base cells were pushed
+                  lambda: push_folder(hub, SMOKE, adapter_dir, "checkpoint-2", marker=True),
+                  lambda: push_folder(hub, SMOKE, adapter_dir, ""))
+    factory = EvalFactoryDouble(vllm.url, outcome)
+    assert smoke_watcher(hub, vllm, factory, tmp_path / "w", clock).run() == "final"
+    base = repo_json(hub, adapter_repo.WATCH_BASE_PATH, SMOKE)
+    assert base["complete"] and len({c["task_index"] for c in base["cells"]}) == N_TASKS
+    assert repo_json(hub, adapter_repo.SUMMARY_PATH, SMOKE)["base"]["tasks"] == N_TASKS
+    base_calls = [m for _, m in factory.calls if m == recipe.SERVED_MODEL_NAME]
+    retries = (11 in base["subset"]) * (recipe.EVAL_CELL_ATTEMPTS - 1)
+    assert len(base_calls) == 2 * (N_TASKS + retries)  # the first run's base cells, then the new run's
 
 
 def test_idle_watcher_stops_after_max_idle_hours(hub, vllm, tmp_path):

@@ -103,6 +103,15 @@ def test_a_failed_rollout_costs_that_rollout_only_and_is_counted(make_loop, faul
     assert counts["stopped"] is None
 
 
+def test_a_graded_rollout_whose_agent_exited_non_zero_is_trained_with_its_grade(make_loop):
+    """Issue 29 defect 6, training side: wait_for_completion() returns 1 but Harbor graded the rollout; it counts."""
+    loop, settings = make_loop(functools.partial(FaultySessionFactory, fault="agent_exit"))
+    (_, _, sequences, _, _, reward), _ = loop._run_session(PROMPT, 0)
+    assert sequences and reward == 0.0
+    counts = ledger(settings)
+    assert (counts["rollouts"], counts["scored"], counts["unscorable_total"]) == (1, 1, 0)
+
+
 def test_a_scored_rollout_is_counted_and_ends_a_failure_streak(make_loop):
     loop, settings = make_loop(functools.partial(FakeSessionFactory))
     _, metrics = loop._run_session(PROMPT, 0)

@@ -208,6 +208,8 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     trainers = [i for i, line in enumerate(lines) if line.startswith("  $ env CUDA_VISIBLE_DEVICES=0")]
     starts = [c for c in commands if c[-1].endswith("train_lora.py")]
     assert len(starts) == 2 and clear < trainers[0] < trainers[1]
+    install = next(i for i, line in enumerate(lines) if line.endswith("] step 1/10 install"))
+    assert clear < install  # emptied before anything can read the repo (issue 26 item 4)
     first, second = starts
     assert "STOP_AFTER_STEP=5" in first and not any(a.startswith("STOP_AFTER_STEP") for a in second)
     for start in starts:
@@ -254,9 +256,9 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "smoke_report",
+    assert kinds == ["smoke_report", "pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server",
                      "trainer", "trainer", "run_eval", "smoke_report"], log
-    assert log[8] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"
+    assert log[0] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"  # the preflight's last act
     assert "STOP_AFTER_STEP=5" in log[9] and "STOP_AFTER_STEP=None" in log[10]
     assert "EVAL_TASKS=4 training_vllm=down" in log[11]
     steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",

@@ -1,4 +1,4 @@
-"""smoke_report.py: the stage budget fits SMOKE_TIMEOUT, and the go/no-go report (every field; GO; each NO-GO cause)
+"""smoke_report.py: the stage budget and the cap it sets, and the go/no-go report (every field; GO; each NO-GO cause)
 built from what a job leaves behind: stage records, train_log.json, rollouts.json, checkpoints on a Hub double."""
 
 from __future__ import annotations
@@ -289,7 +289,7 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
 def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
     assert len(hub.list_repo_files(REPO)) == 15  # 3 checkpoints x (adapter, config, state, rollout state, marker)
     assert smoke_report.clear(hub, REPO) == 15
-    assert hub.list_repo_files(REPO) == []
+    assert hub.list_repo_files(REPO) == [adapter_repo.SMOKE_RUN_PATH]  # and this run, recorded for its watcher
     with pytest.raises(recipe.ConfigError, match="does not end with -smoke"):
         smoke_report.clear(hub, "you/LFM2.5-2.6B-opencode-lora-RL")
 
