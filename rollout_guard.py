@@ -28,7 +28,6 @@ from pathlib import Path
 from typing import Any
 
 import recipe
-from eval_adapter import graded_reward
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
@@ -181,6 +180,8 @@ class GuardedSession:
             raise self._fail("rollout", _describe(error)) from error
         finally:
             self._waiting, self._waited = False, True
+        from eval_adapter import graded_reward  # here, not at the top: the launcher imports this module, never httpx
+
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
         if code and graded_reward(result) is None:  # graded (a timed-out or non-zero agent exit): trained as graded
             reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
