@@ -31,15 +31,14 @@ from pathlib import Path
 from typing import Any
 
 import recipe
+from recipe import CHECKPOINT_PATTERN, CHECKPOINT_PREFIX, FINAL
 
 logger = logging.getLogger("adapter_repo")
 
 # --- Layout ----------------------------------------------------------------------------------------------------------
-CHECKPOINT_PREFIX = "checkpoint-"
 # The last file of the single commit that uploads checkpoint-N/, listing every file with its size: only a folder
 # holding it (and the adapter) is complete, so resume, eval and export never load a partial upload.
 COMPLETE_MARKER = "checkpoint_complete.json"
-FINAL = "final"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 # Left out of the final adapter at the root (training state stays in the checkpoints). Its README.md is the training
 # repo's model card (model_cards.training_card), written over the one PEFT saves.
@@ -53,13 +52,7 @@ CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
 # SMOKE_RUN_PATH (smoke_report.clear) so that a watcher adopts only that run's files (eval_watch.Watcher.adopt_run).
 SMOKE_SUFFIX = "-smoke"
 SMOKE_RUN_PATH = "smoke_run.json"
-_CHECKPOINT = rf"{FINAL}|{CHECKPOINT_PREFIX}[1-9][0-9]*"
-_WATCH_RESULTS = re.compile(rf"^{WATCH_DIR}/({_CHECKPOINT})\.json$")
-
-
-def is_checkpoint(name: str) -> bool:
-    """Whether `name` is one the trainer pushes: "final" or checkpoint-N."""
-    return re.fullmatch(_CHECKPOINT, name) is not None
+_WATCH_RESULTS = re.compile(rf"^{WATCH_DIR}/({CHECKPOINT_PATTERN})\.json$")
 
 
 def checkpoint_name(step: int) -> str:

@@ -26,7 +26,6 @@ import json
 import math
 import os
 import random
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
@@ -375,7 +374,7 @@ class ResultsFile:
     def record(self, cell: dict[str, Any]) -> None:
         with self._lock:
             self.doc["cells"] = merge_cells(self.doc["cells"], [cell])
-            write_json_atomic(self.path, self.doc)
+            write_results(self.path, self.doc)
 
     def absorb(self, cells: Iterable[dict[str, Any]]) -> bytes:
         """Merge cells another writer pushed, and return the document as it is to be committed."""
@@ -384,14 +383,9 @@ class ResultsFile:
             return json.dumps(self.doc, indent=1, sort_keys=True).encode()
 
 
-def write_json_atomic(path: Path, doc: dict[str, Any]) -> None:
-    """Write `doc` so that readers see the old file or the new one, never half of one."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.NamedTemporaryFile("w", dir=path.parent, suffix=".tmp", delete=False) as tmp:
-        json.dump(doc, tmp, indent=1, sort_keys=True)
-        tmp.flush()
-        os.fsync(tmp.fileno())
-    os.replace(tmp.name, path)
+def write_results(path: Path, doc: dict[str, Any]) -> None:
+    """A results document as the repo holds it (indented, sorted keys), written atomically."""
+    recipe.write_json(path, doc, indent=1, sort_keys=True)
 
 
 Job = tuple[str, str, dict[str, Any]]  # (side, served model name, task {index, task_name})
@@ -564,7 +558,7 @@ def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: di
     merged = merge_cells(cells, remote.get("cells", []))
     complete = bool(remote.get("complete")) and (remote.get("weights") or {}) == (doc.get("weights") or {})
     results = ResultsFile(local, {**doc, "cells": merged, "complete": complete})
-    write_json_atomic(local, results.doc)
+    write_results(local, results.doc)
     return results
 
 
@@ -605,7 +599,7 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
     cells = current_cells(results.doc)
     results.doc["summary"] = summarize(rewards(cells, "base"), rewards(cells, "adapter"))
     results.doc["complete"] = True
-    write_json_atomic(results.path, results.doc)
+    write_results(results.path, results.doc)
     push_results(api, repo_id, path_in_repo, results)
     if board is not None:
         board.log(summary_metrics(results.doc["summary"]))

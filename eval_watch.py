@@ -68,7 +68,7 @@ from eval_adapter import (
     run_cells,
     served_name,
     summarize,
-    write_json_atomic,
+    write_results,
 )
 
 logger = logging.getLogger("eval_watch")
@@ -195,7 +195,7 @@ class Watcher:
 
         run_cells(self.factory, [(side, model, t) for t in tasks], results, self.concurrency, on_cell)
         results.doc["complete"] = True
-        write_json_atomic(results.path, results.doc)
+        write_results(results.path, results.doc)
         push_results(self.api, self.repo_id, path_in_repo, results, self.check_run)
 
     def ensure_base(self, tasks: list[dict[str, Any]]) -> None:

@@ -177,14 +177,6 @@ def list_json(rows: list[dict[str, str]]) -> str:
     return "[\n" + ",\n".join("  " + json.dumps({k: r[k] for k in FIELDS}) for r in rows) + "\n]\n"
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write `text` to `path` through a temporary sibling, so a reader never sees half a file."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    tmp.write_text(text)
-    os.replace(tmp, path)
-
-
 def download(api: Any, split: str, dest: Path, patterns: list[str]) -> Path:
     """Download the pinned revision of a split's dataset, only `patterns`, into `dest`."""
     repo_id, revision = dataset_of(split)
@@ -212,7 +204,7 @@ def freeze(sources: dict[str, Path | None], data_dir: Path, api: Any, counts: Co
     lists = {"train": select_train(rows["train"], test, counts, seed), "test": test}
     check_lists(lists, counts)
     for split in SPLITS:
-        write_atomic(data_dir / f"{split}.json", list_json(lists[split]))
+        recipe.write_atomic(data_dir / f"{split}.json", list_json(lists[split]))
     tiers = Counter(r["difficulty"] for r in lists["train"])
     print(f"wrote {data_dir / 'train.json'} ({len(lists['train'])} tasks: {tiers['medium']} medium, "
           f"{tiers['hard']} hard) and {data_dir / 'test.json'} ({len(test)} tasks)")

@@ -9,10 +9,12 @@ are read from there, not retyped.
 from __future__ import annotations
 
 import functools
+import json
 import math
 import os
 import re
 import sys
+import tempfile
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -276,6 +278,32 @@ SMOKE_MAX_FORK = 0.05
 #   agent timeout and OpenEnv's per-call limit, or a rollout that uses its whole agent time is cut off ungraded.
 SMOKE_MAX_SETUP_S = ROLLOUT_CALL_LIMIT_S - AGENT_TIMEOUT_SEC
 
+# --- Files every script writes ------------------------------------------------
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` so that a reader sees the old file or the new one, never half of one, and two writers in one
+    folder never share a temporary name (the job's heartbeat folder has several)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
+        tmp.write(text)
+        tmp.flush()
+        os.fsync(tmp.fileno())
+    os.replace(tmp.name, path)
+
+
+def write_json(path: str | Path, doc: Any, *, indent: int | None = None, sort_keys: bool = False) -> None:
+    """`doc` as JSON, written atomically (write_atomic)."""
+    write_atomic(path, json.dumps(doc, indent=indent, sort_keys=sort_keys))
+
+
+def read_json(path: str | Path) -> Any:
+    """The JSON document at `path`, or None while it does not exist yet (or is not JSON)."""
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+
+
 # --- Checks shared by every entry point ----------------------------------------
 _REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REQUIREMENTS = Path(__file__).with_name("requirements.txt")
@@ -346,10 +374,20 @@ def one_of(raw: str, var: str, choices: tuple[str, ...]) -> str:
     return raw.strip()
 
 
-def checkpoint_name(raw: str, var: str) -> str:
-    """'final' (the adapter at the repo root) or 'checkpoint-N', the folder names the trainer pushes."""
-    from adapter_repo import is_checkpoint  # the repo layout's own rule (adapter_repo imports this module)
+# The names the trainer pushes under: "final" (the adapter at the repo root) or checkpoint-N, N >= 1. The rule lives
+# here, below every script, so that the knob check and the repo layout (adapter_repo) share it without a cycle.
+CHECKPOINT_PREFIX = "checkpoint-"
+FINAL = "final"
+CHECKPOINT_PATTERN = rf"{FINAL}|{CHECKPOINT_PREFIX}[1-9][0-9]*"
 
+
+def is_checkpoint(name: str) -> bool:
+    """Whether `name` is one the trainer pushes: "final" or checkpoint-N."""
+    return re.fullmatch(CHECKPOINT_PATTERN, name) is not None
+
+
+def checkpoint_arg(raw: str, var: str) -> str:
+    """A CHECKPOINT knob: 'final' or 'checkpoint-N'."""
     if not is_checkpoint(raw.strip()):
         raise ConfigError(f"{var}={raw!r} is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'")
     return raw.strip()
@@ -382,7 +420,7 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "WATCH_INTERVAL": (WATCH_INTERVAL_S, positive_number),
     "READY_TIMEOUT": (READY_TIMEOUT_S, whole_number),
     "N_TASKS": (EVAL_WATCH_TASKS, functools.partial(whole_number, upper=TEST_TASKS, why="tasks in data/test.json")),
-    "CHECKPOINT": ("final", checkpoint_name),
+    "CHECKPOINT": (FINAL, checkpoint_arg),
     "MAX_IDLE_HOURS": (MAX_IDLE_HOURS, positive_number),
     "EVAL_CONCURRENCY": (EVAL_CONCURRENCY, whole_number),
     "EVAL_MODE": ("full", functools.partial(one_of, choices=("full", "watch"))),

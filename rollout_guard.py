@@ -18,7 +18,6 @@ ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress be
 from __future__ import annotations
 
 import functools
-import json
 import os
 import threading
 import time
@@ -50,10 +49,7 @@ def ledger_path(heartbeat_file: str | Path) -> Path:
 
 def read_ledger(path: str | Path) -> dict[str, Any] | None:
     """The ledger's last state, or None if the rollout worker has not written it yet."""
-    try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError):
-        return None
+    return recipe.read_json(path)
 
 
 class Ledger:
@@ -115,9 +111,7 @@ class Ledger:
                 "-- fix the env server, vLLM or the sandboxes, then relaunch (it resumes from the last checkpoint)")
 
     def _write(self) -> None:
-        temp = self.path.with_name(f".{self.path.name}.{os.getpid()}")
-        temp.write_text(json.dumps(self.state))
-        os.replace(temp, self.path)
+        recipe.write_json(self.path, self.state)
 
 
 def _trl_sequences(trace: Any) -> list[Any]:

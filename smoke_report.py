@@ -543,13 +543,6 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
     return total
 
 
-def _read_json(path: Path) -> dict[str, Any] | None:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return None
-
-
 def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]], expect: dict[str, Any], *,
             openenv_dir: Path | None = None, session_class: Any = None) -> dict[str, Any]:
     """Everything the job left in `work_dir` (heartbeat, rollouts.json, train_log.json) and in the repo."""
@@ -564,7 +557,7 @@ def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]]
     ledger = rollout_guard.ledger_path(heartbeat)  # the last start's; earlier ones kept as rollouts.<start>.json
     paths = [*sorted(work_dir.glob(f"{ledger.stem}.*{ledger.suffix}")), ledger]
     ledgers = [rollout_guard.read_ledger(p) for p in paths]
-    return build(stages, _read_json(heartbeat.with_name("train_log.json")),
+    return build(stages, recipe.read_json(heartbeat.with_name("train_log.json")),
                  merge_ledgers([d for d in ledgers if d]), checkpoints,
                  eval_doc if expect.get("eval") else None, versions(openenv_dir, session_class), expect, files)
 
@@ -628,7 +621,7 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
     steps = int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS)
     report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(steps),
                      openenv_dir=args.work_dir / "OpenEnv")
-    (args.work_dir / REPORT_PATH).write_text(json.dumps(report, indent=1, sort_keys=True))
+    recipe.write_json(args.work_dir / REPORT_PATH, report, indent=1, sort_keys=True)
     print(render(report), flush=True)
     try:
         push(api, repo_id, report)

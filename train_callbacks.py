@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -17,6 +16,7 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 
 import adapter_repo
+import recipe
 
 logger = logging.getLogger("train_lora")
 
@@ -73,15 +73,9 @@ class RunLog(TrainerCallback):
         self.path, self.resumed_from = Path(path), resumed_from
 
     def _update(self, change: Callable[[dict[str, Any]], None]) -> None:
-        try:
-            doc = json.loads(self.path.read_text())
-        except (OSError, ValueError):
-            doc = {"schema": 1, "starts": [], "logs": []}
+        doc = recipe.read_json(self.path) or {"schema": 1, "starts": [], "logs": []}
         change(doc)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        temp = self.path.with_name(f".{self.path.name}.tmp")
-        temp.write_text(json.dumps(doc))
-        os.replace(temp, self.path)
+        recipe.write_json(self.path, doc)
 
     def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         start = {"at": time.time(), "resumed_from": self.resumed_from, "global_step": state.global_step,

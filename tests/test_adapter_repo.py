@@ -203,7 +203,7 @@ def test_the_watcher_and_the_full_eval_never_share_a_file():
 @pytest.mark.parametrize(("name", "ok"), [("final", True), ("checkpoint-300", True), ("checkpoint-0", False),
                                           ("checkpoint-", False), ("step-5", False), ("checkpoint-3/..", False)])
 def test_checkpoint_names(name, ok):
-    assert ar.is_checkpoint(name) is ok
+    assert recipe.is_checkpoint(name) is ok
     # the CHECKPOINT knob's check is the layout's rule, with the user-facing line on a refusal
     if ok:
         assert recipe.knob("CHECKPOINT", {"CHECKPOINT": name}) == name
