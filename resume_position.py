@@ -61,12 +61,12 @@ def check_trl_shape() -> None:
 check_trl_shape()
 
 
-def next_position(prompt_index: int, consumed: Iterable[int]) -> dict[str, Any]:
-    """The resume position after the groups `consumed` (offsets from `prompt_index`, this start's first group):
+def next_position(start: int, consumed: Iterable[int]) -> dict[str, Any]:
+    """The resume position after the groups `consumed` (offsets from `start`, the prompt index this start began at):
     `prompt_index` of the lowest group not consumed, and CONSUMED_AHEAD, the consumed ones past it."""
     done = set(consumed)
     first = next(g for g in itertools.count() if g not in done)
-    return {"prompt_index": prompt_index + first, CONSUMED_AHEAD: sorted(g - first for g in done if g > first)}
+    return {"prompt_index": start + first, CONSUMED_AHEAD: sorted(g - first for g in done if g > first)}
 
 
 def _write_json(path: Path, value: Any) -> None:
