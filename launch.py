@@ -78,11 +78,12 @@ JOB_KNOBS: dict[str, tuple[str, ...]] = {
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
     "train": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "weight_sync.py",
-                                                "rollout_guard.py", "run_metrics.py", "model_cards.py"),
+                                                "rollout_guard.py", "run_metrics.py", "model_cards.py",
+                                                "resume_position.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
     "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "weight_sync.py",
                                                 "rollout_guard.py", "run_metrics.py", "model_cards.py",
-                                                "smoke_report.py"),
+                                                "resume_position.py", "smoke_report.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": None},  # the smoke plan's cap (smoke_timeout)
     "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
                    "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
@@ -169,8 +170,9 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
     except RepositoryNotFoundError:
         files = set()
     if mode == "train" and checkpoint_complete(files, FINAL):
-        raise recipe.ConfigError(f"{adapter_repo} already holds a final adapter (a finished run; the eval watcher "
-                                 "would stop at it): use a new ADAPTER_REPO, or delete that repo first")
+        raise recipe.ConfigError(f"{adapter_repo} already holds a final adapter (a finished run): evaluate it with "
+                                 f"`uv run launch.py eval --adapter-repo {adapter_repo}`, or train into a new "
+                                 "ADAPTER_REPO")
     if mode == "eval" and not checkpoint_complete(files, checkpoint):
         steps = complete_checkpoints(files)
         have = ", ".join(checkpoint_name(n) for n in steps[-5:]) or "no complete checkpoints yet"

@@ -58,6 +58,7 @@ from adapter_repo import describe
 from recipe import ConfigError
 
 HERE = Path(__file__).resolve().parent
+DATA_DIR = HERE / "data"  # the committed task lists (data/README.md); --data and the trainer read them here
 SPLITS = ("train", "test")
 FIELDS = ("name", "source", "notebook", "difficulty", "instruction_sha256")
 PROGRESS_EVERY = 100  # tasks between progress lines on stderr
@@ -273,6 +274,29 @@ def check_lists(lists: dict[str, list[Any]], counts: Counts) -> None:
     check_disjoint(lists)
 
 
+def in_list_order(rows: list[dict[str, Any]], data_dir: Path, split: str,
+                  key: str = "task_name") -> list[dict[str, Any]]:
+    """`rows` (one per served task, named by `key`) in the order of data/<split>.json, the one home of the order.
+
+    openenv serves a dataset's task folders sorted by name and TRL iterates its train dataset unshuffled, so
+    without this the trained order would be alphabetical. The served tasks must be exactly the listed ones:
+    anything else means the env server was given another folder than the one prepare_tasks.py wrote from the list.
+    """
+    listed = load_list(data_dir, split)
+    check_rows(listed, split)
+    position = {row["name"]: i for i, row in enumerate(listed)}
+    served = Counter(row[key] for row in rows)
+    extra = sorted(name for name in served if name not in position)
+    missing = [name for name in position if name not in served]
+    twice = sorted(name for name, n in served.items() if n > 1)
+    if extra or missing or twice:
+        what = "; ".join(f"{label} {len(names)} (e.g. {names[0]})" for label, names in (
+            ("not in the list:", extra), ("listed but not served:", missing), ("served twice:", twice)) if names)
+        raise ConfigError(f"the env server's {split} tasks are not data/{split}.json's ({what}): serve the folder "
+                          f"`prepare_tasks.py --split {split}` wrote from that list")
+    return sorted(rows, key=lambda row: position[row[key]])
+
+
 # --- materialize ---------------------------------------------------------------------------------
 def patched_toml(folder: Path) -> str:
     """task.toml with the recipe's image, CPUs and memory in [environment], every other key kept."""
@@ -401,7 +425,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--test-source", type=Path, help="local snapshot of the test dataset (default: the Hub, "
                         f"{recipe.TEST_DATASET}@{recipe.TEST_REVISION})")
     parser.add_argument("--split", choices=("train", "test", "all"), default="all", help="materialize: which split")
-    parser.add_argument("--data", type=Path, default=HERE / "data",
+    parser.add_argument("--data", type=Path, default=DATA_DIR,
                         help="folder of train.json and test.json (default: data/ beside this script)")
     counts = parser.add_argument_group("list sizes (recipe.py; smaller only for smoke tests)")
     counts.add_argument("--train-medium", type=int, default=recipe.TRAIN_MEDIUM, help="default: %(default)s")

@@ -23,6 +23,7 @@ import functools
 import json
 import logging
 import os
+import shutil
 import sys
 import time
 from collections.abc import Callable, Mapping
@@ -33,6 +34,7 @@ from urllib.parse import urlparse
 
 import adapter_repo
 import dashboard
+import prepare_tasks
 import recipe
 
 if TYPE_CHECKING:
@@ -63,6 +65,7 @@ class Settings:
     env_url: str = f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"
     capture_url: str = ""
     train_split: str = ""
+    task_data: str = str(prepare_tasks.DATA_DIR)  # folder of train.json, whose order is the trained order
     output_dir: str = "outputs"
     heartbeat_file: str = "outputs/heartbeat"
     resume: bool = True
@@ -135,6 +138,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         env_url=_url(env, "ENV_URL", Settings.env_url),
         capture_url=capture_url,
         train_split=env.get("TRAIN_SPLIT", "").strip(),
+        task_data=env.get("TASK_DATA", "").strip() or Settings.task_data,
         output_dir=output_dir,
         heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / "heartbeat"),
         resume=recipe.knob("RESUME", env),
@@ -306,14 +310,15 @@ def session_factory(settings: Settings) -> functools.partial:
     )
 
 
-def train_dataset(factory: Callable[..., Any]) -> Dataset:
-    """The env server's tasks as prompts: `create()` only accepts prompts built by `prompt_rows()`."""
+def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset:
+    """The env server's tasks as prompts (`create()` only accepts prompts built by `prompt_rows()`), in the task
+    list's fixed order: TRL iterates this dataset unshuffled from a resume position, on every start."""
     from datasets import Dataset
 
     rows = factory().prompt_rows()
     if not rows:
         raise recipe.ConfigError("the env server serves no tasks: check the --dataset given to the env server")
-    return Dataset.from_list(rows)
+    return Dataset.from_list(prepare_tasks.in_list_order(rows, Path(task_data), "train"))
 
 
 def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
@@ -353,11 +358,11 @@ def rollout_worker(
     run_metrics base also counts unscorable, timed-out and forked rollouts and tool calls per rollout for the dashboard.
     """
     import rollout_guard
-    from run_metrics import RecipeRolloutWorker
+    from resume_position import PositionedRolloutWorker
 
     ledger = rollout_guard.ledger_path(settings.heartbeat_file)
 
-    class ProgressWorker(RecipeRolloutWorker):
+    class ProgressWorker(PositionedRolloutWorker):
         def check_health(self, stale_after_s: float) -> None:
             """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
             super().check_health(stale_after_s)
@@ -429,6 +434,7 @@ def build_trainer(
     resumed_from: int | None = None,
 ) -> AsyncGRPOTrainer:
     """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC): worker, LoRA, heartbeat, checkpoint push, metrics."""
+    import resume_position
     import run_metrics
     import train_callbacks
     import weight_sync
@@ -436,10 +442,10 @@ def build_trainer(
     recipe.check_versions()
     check_device(settings)
     factory = factory if factory is not None else session_factory(settings)
-    dataset = train_dataset(factory)
+    dataset = train_dataset(factory, settings.task_data)
     tokenizer = load_tokenizer(settings)
     worker = rollout_worker(settings, tokenizer, dataset, factory)
-    trainer_cls = weight_sync.trainer_class(settings.weight_sync)
+    trainer_cls = resume_position.positioned(weight_sync.trainer_class(settings.weight_sync))
     callbacks = [
         train_callbacks.Heartbeat(settings.heartbeat_file),
         train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
@@ -465,8 +471,9 @@ def train(
     settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
 ) -> None:
     """Resume from the adapter repo if it has a complete checkpoint, train, then push the final adapter (and the
-    training repo's model card) to its root; not when STOP_AFTER_STEP ended the run early (a later start resumes)."""
-    import model_cards
+    training repo's model card) to its root; not when STOP_AFTER_STEP ended the run early (a later start resumes).
+    A start whose newest checkpoint is at or past MAX_STEPS trains nothing (see finish_trained_run); a final adapter
+    already at the root is never replaced by another."""
     import run_metrics
 
     recipe.check_versions()
@@ -474,8 +481,20 @@ def train(
     api = api if api is not None else hub_api(settings)
     # Before any model loads: a token that cannot write to ADAPTER_REPO fails here, not at step 100.
     adapter_repo.require_write_access(api, settings.adapter_repo)
+    files = api.list_repo_files(settings.adapter_repo)
+    has_final = adapter_repo.checkpoint_complete(files, adapter_repo.FINAL)
+    newest = adapter_repo.complete_checkpoints(files)[-1:] if settings.resume else []
+    if has_final and not (newest and newest[0] >= settings.max_steps):
+        start = f"{adapter_repo.checkpoint_name(newest[0])} (step {newest[0]})" if newest else "step 0"
+        raise recipe.ConfigError(
+            f"{settings.adapter_repo} already holds a final adapter, which training from {start} to "
+            f"MAX_STEPS={settings.max_steps} would replace: evaluate it with `launch.py eval`, or train into a new "
+            "ADAPTER_REPO")
     resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
     resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
+    if resume_dir is not None and resumed_from is not None and resumed_from >= settings.max_steps:
+        finish_trained_run(api, settings, resume_dir, resumed_from, has_final)
+        return
     trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api,
                             resumed_from=resumed_from)
     trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
@@ -485,10 +504,35 @@ def train(
         return
     final_dir = Path(settings.output_dir) / "final"
     trainer.save_model(str(final_dir))
-    card = model_cards.training_card(settings.adapter_repo, trainer.state.global_step,
-                                     run_metrics.dashboard_url(trainer))
-    (final_dir / "README.md").write_text(card)
+    push_final_adapter(api, settings, final_dir, trainer.state.global_step, run_metrics.dashboard_url(trainer))
+
+
+def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int, dashboard_url: str | None) -> None:
+    """The final adapter at the repo root, with the training repo's model card, in one commit (the one way it is
+    written)."""
+    import model_cards
+
+    (final_dir / "README.md").write_text(model_cards.training_card(settings.adapter_repo, steps, dashboard_url))
     adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
+
+
+def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int, has_final: bool) -> None:
+    """A start at or past MAX_STEPS (a relaunch after a failed final push or a crashed final eval) trains nothing:
+    transformers would still run one optimizer step before its stop check, push checkpoint-(MAX_STEPS+1) and replace
+    the root adapter. Instead the final adapter is pushed from the newest checkpoint if the root lacks it, and the
+    job goes on to its final eval (run_job.sh, after this exits 0)."""
+    if has_final:
+        logger.info("%s is at step %d (MAX_STEPS=%d) and its root holds the final adapter: nothing to train or push",
+                    settings.adapter_repo, step, settings.max_steps)
+        return
+    logger.info("%s is at step %d (MAX_STEPS=%d): nothing to train; pushing the final adapter from %s",
+                settings.adapter_repo, step, settings.max_steps, checkpoint.name)
+    final_dir = Path(settings.output_dir) / "final"
+    shutil.copytree(checkpoint, final_dir, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(*adapter_repo.FINAL_ADAPTER_IGNORE, adapter_repo.COMPLETE_MARKER))
+    space = settings.dashboard_space if settings.report_to == "trackio" else None
+    url = dashboard.SPACE_URL.format(dashboard.space_id(space, api.whoami()["name"])) if space else None
+    push_final_adapter(api, settings, final_dir, step, url)
 
 
 def resolved_config(settings: Settings) -> dict[str, Any]:

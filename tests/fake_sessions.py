@@ -10,8 +10,10 @@ real HarnessRolloutWorker turns it into training samples exactly as it would a H
 from __future__ import annotations
 
 import hashlib
+import json
 import threading
 import time
+from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
@@ -23,6 +25,21 @@ TASKS = ("Count the rows of train.csv.", "What is the mean of column x?", "Name 
 # Token ids inside the tiny test tokenizer's vocabulary (tests/tiny_lfm2.py).
 PROMPT_IDS = (1, 3, 40, 41, 42, 43, 2)
 COMPLETION_IDS = (50, 51, 52, 53, 2)
+
+
+def write_task_list(folder: Path, names: list[str], split: str = "train") -> str:
+    """`folder/<split>.json` listing `names` in that order, in prepare_tasks' row format; returns the folder (for
+    TASK_DATA): the trainer serves the fake's tasks in the list's order and refuses tasks the list does not name."""
+    rows = [{"name": name, "source": f"{name}.ipynb_qa_1", "notebook": f"{name}.ipynb", "difficulty": "medium",
+             "instruction_sha256": hashlib.sha256(name.encode()).hexdigest()} for name in names]
+    Path(folder).mkdir(parents=True, exist_ok=True)
+    (Path(folder) / f"{split}.json").write_text(json.dumps(rows))
+    return str(folder)
+
+
+def fake_task_list(folder: Path, tasks: tuple[str, ...] = TASKS) -> str:
+    """The list of FakeSessionFactory(tasks=...)'s task names, in its serving order."""
+    return write_task_list(folder, [f"task-{i}" for i in range(len(tasks))])
 
 
 class FakeSession:

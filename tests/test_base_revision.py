@@ -23,7 +23,7 @@ from peft import get_peft_model
 import export_adapter
 import recipe
 import train_lora
-from tests.fake_sessions import FakeSessionFactory
+from tests.fake_sessions import FakeSessionFactory, fake_task_list
 from tests.hub_double import LocalHub
 from tests.tiny_lfm2 import save_tiny_model, tiny_model
 from tests.trl_cpu_shims import NullWeightTransfer, cpu_trainer_shims
@@ -52,7 +52,8 @@ def test_trainer_loads_model_config_and_tokenizer_at_the_pin(pinned_hub, tmp_pat
     """The production builder with the default MODEL: TRL's model creation, the tokenizer, the generation config."""
     settings = train_lora.settings_from_env({
         "ADAPTER_REPO": "you/lfm-test", "HF_TOKEN": TOKEN, "DEVICE": "cpu",
-        "OUTPUT_DIR": str(tmp_path / "out"), "HEARTBEAT_FILE": str(tmp_path / "heartbeat")})
+        "OUTPUT_DIR": str(tmp_path / "out"), "HEARTBEAT_FILE": str(tmp_path / "heartbeat"),
+        "TASK_DATA": fake_task_list(tmp_path / "data")})
     assert (settings.model, settings.model_revision) == (recipe.BASE_MODEL, recipe.BASE_MODEL_REVISION)
     with cpu_trainer_shims():
         trainer = train_lora.build_trainer(settings, factory=functools.partial(FakeSessionFactory, "http://env"),

@@ -22,7 +22,7 @@ import torch
 from trl.experimental.async_grpo.async_rollout_worker import RolloutSample
 
 import train_lora
-from tests.fake_sessions import FakeSessionFactory
+from tests.fake_sessions import FakeSessionFactory, fake_task_list
 from tests.tiny_lfm2 import LAYER_TYPES, save_tiny_model
 from tests.trl_cpu_shims import NullWeightTransfer, cpu_trainer_shims
 
@@ -37,7 +37,8 @@ LENGTHS = (23, 17, 31)
 def trainer(tmp_path_factory):
     root = tmp_path_factory.mktemp("conv")
     env = {"ADAPTER_REPO": "me/adapter", "HF_TOKEN": "hf_test", "DEVICE": "cpu",
-           "MODEL": str(save_tiny_model(root / "model", initializer_range=INIT_STD)), "OUTPUT_DIR": str(root / "out")}
+           "MODEL": str(save_tiny_model(root / "model", initializer_range=INIT_STD)), "OUTPUT_DIR": str(root / "out"),
+           "TASK_DATA": fake_task_list(root / "data")}
     with pytest.MonkeyPatch.context() as patch, cpu_trainer_shims():
         # No network here: without this, transformers' hub-kernel lookup for the conv waits out a timeout.
         patch.setenv("HF_HUB_OFFLINE", "1")

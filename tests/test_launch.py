@@ -43,7 +43,7 @@ SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
            "train_callbacks.py", "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py",
            "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
-           "run_metrics.py", "model_cards.py", "smoke_report.py"]
+           "run_metrics.py", "model_cards.py", "smoke_report.py", "resume_position.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -418,6 +418,8 @@ def test_train_refuses_a_repo_holding_a_finished_run(capsys, monkeypatch, bundle
     hub.seed_adapter(ADAPTER)
     rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
     assert rc == 2 and "already holds a final adapter" in err and err.count("\n") == 1
+    # A finished run whose final eval crashed is evaluated, not deleted: the message points there.
+    assert f"launch.py eval --adapter-repo {ADAPTER}" in err and "delete" not in err
     assert len(hub.jobs) == 1  # the second launch started nothing
 
 

@@ -287,6 +287,8 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     assert {"adapter_model.safetensors", "adapter_config.json", adapter_repo.COMPLETE_MARKER} <= pushed
     assert not (repo / "adapter_model.safetensors").exists()  # killed before the final push
     checkpoint_2 = load_file(repo / "checkpoint-2" / "adapter_model.safetensors")
+    position = json.loads((repo / "checkpoint-2" / "rollout_state.json").read_text())
+    assert_relaunch_redoes_no_trained_group(position, report["trained_groups"]["2"])
 
     second = run_rehearsal(workdir, "--smoke-report")
     assert second.returncode == 0, second.stdout[-3000:]
@@ -301,6 +303,11 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
         assert {"adapter_model.safetensors", adapter_repo.COMPLETE_MARKER} <= pushed
     state = json.loads((repo / "checkpoint-3" / "trainer_state.json").read_text())
     assert state["global_step"] == 3
+    trained = report["trained_groups"]["3"]  # the resumed start's, its ids offsets from checkpoint-2's position
+    assert trained["start"] == position["prompt_index"]
+    assert not set(trained["groups"]) & set(position["consumed_ahead"])  # nothing the first start consumed, again
+    assert_relaunch_redoes_no_trained_group(json.loads((repo / "checkpoint-3" / "rollout_state.json").read_text()),
+                                            trained)
 
     final = load_file(repo / "adapter_model.safetensors")
     lora_b = [k for k in final if "lora_B" in k]
@@ -315,6 +322,16 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     counts = check_smoke_report(workdir, second.stdout, ledger)
     assert_trackio_logged_three_steps(f"train-{workdir.parent.name}", counts)
     assert_training_repo_card(repo / "README.md")
+
+
+def assert_relaunch_redoes_no_trained_group(state: dict, trained: dict) -> None:
+    """A relaunch from this rollout_state.json hands out no group trained before it was saved: each trained group
+    (TRL's id, an offset from its start's prompt index) lies below `prompt_index` or among `consumed_ahead`. TRL
+    1.15 alone saves the lowest group not trained, so every group trained above an unscorable, stale-dropped or
+    still running one was trained again."""
+    ahead = {state["prompt_index"] + offset for offset in state["consumed_ahead"]}
+    positions = [trained["start"] + group for group in trained["groups"]]
+    assert [p for p in positions if p >= state["prompt_index"] and p not in ahead] == [], (state, trained)
 
 
 def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:

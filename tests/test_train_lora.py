@@ -28,7 +28,7 @@ import adapter_repo
 import recipe
 import train_callbacks
 import train_lora
-from tests.fake_sessions import TASKS, FakeSessionFactory
+from tests.fake_sessions import TASKS, FakeSessionFactory, fake_task_list
 from tests.hub_double import LocalHub
 from tests.tiny_lfm2 import LAYER_TYPES, save_tiny_model, tiny_model
 from tests.trl_cpu_shims import NullWeightTransfer, cpu_trainer_shims
@@ -52,7 +52,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 def run_env(model_dir: Path, tmp: Path, **extra: str) -> dict[str, str]:
     return {**BASE_ENV, "MODEL": str(model_dir), "DEVICE": "cpu", "OUTPUT_DIR": str(tmp / "out"),
-            "HEARTBEAT_FILE": str(tmp / "heartbeat"), **extra}
+            "HEARTBEAT_FILE": str(tmp / "heartbeat"), "TASK_DATA": fake_task_list(tmp / "data"), **extra}
 
 
 # --- LoRA ----------------------------------------------------------------------------------------------------------
@@ -334,9 +334,9 @@ def test_session_factory_is_a_picklable_partial_of_harbor(monkeypatch, tmp_path)
     assert TOKEN not in pickle.dumps(factory).decode("latin-1")
 
 
-def test_empty_task_list_is_a_config_error():
+def test_empty_task_list_is_a_config_error(tmp_path):
     with pytest.raises(recipe.ConfigError, match="serves no tasks"):
-        train_lora.train_dataset(functools.partial(FakeSessionFactory, tasks=()))
+        train_lora.train_dataset(functools.partial(FakeSessionFactory, tasks=()), fake_task_list(tmp_path))
 
 
 # --- Checkpoint push, resume, heartbeat -------------------------------------------------------------------------------

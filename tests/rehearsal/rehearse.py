@@ -47,9 +47,10 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 import httpx  # noqa: E402
+from fake_sessions import write_task_list  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
 from policy_server import PolicyServer  # noqa: E402
-from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory  # noqa: E402
+from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from tiny_lfm2 import save_tiny_model  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
@@ -66,6 +67,7 @@ ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
 PLACEHOLDER_TOKEN = "hf_rehearsal_placeholder"
 REHEARSAL_STEPS = 3
 REHEARSAL_SAVE_STEPS = 2
+REHEARSAL_TASKS = 4  # tasks the scripted sessions serve (and the list in WORKDIR/data names)
 # The tiny random model served in bf16 is not LFM2.5: its importance ratio is checked against this band, not the
 # recipe's 0.998-1.0 (tests/test_rehearsal.py asserts the same).
 REHEARSAL_RATIO_BAND = (0.9, 1.1)
@@ -87,10 +89,17 @@ class StepLog(TrainerCallback):
         self.resumed_from = resumed_from
         self.logs: dict[int, dict[str, Any]] = {}
         self.heartbeats: list[int] = []
+        self.trainer: Any = None  # set when train_lora builds it (transfer.on_trainer)
+        self.trained: dict[int, dict[str, Any]] = {}
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         # train_callbacks.Heartbeat runs before this one, so the file already says this step.
         self.heartbeats.append(int(self.heartbeat_file.read_text().split()[0]))
+        # The groups trained so far (TRL's ids: offsets from this start's prompt index), as the checkpoint saved
+        # right after this step sees them; logged before that save, so a run killed after its push still has them.
+        self.trained[state.global_step] = {
+            "start": self.trainer.rollout_worker._loop_kwargs["dataset_start_index"],
+            "groups": sorted(self.trainer._trained_groups)}
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                logs: dict[str, float] | None = None, **_: Any) -> None:
@@ -112,7 +121,7 @@ class StepLog(TrainerCallback):
     def report(self) -> dict[str, Any]:
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
                 "syncs": [asdict(record) for record in self.transfer.records], "served_dtype": recipe.SERVE_DTYPE,
-                "rollouts": self.rollout_counts()}
+                "rollouts": self.rollout_counts(), "trained_groups": self.trained}
 
     def rollout_counts(self) -> dict[str, Any] | None:
         """The rollout guard's counts, read where README says they are: rollouts.json next to the heartbeat."""
@@ -192,6 +201,8 @@ def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: a
         "RESUME": "1", "WEIGHT_SYNC": args.weight_sync, "DEVICE": "cpu",
         # Trackio logs locally (TRACKIO_DIR, default ~/.cache/huggingface/trackio): a rehearsal never makes a Space.
         "REPORT_TO": "trackio", "DASHBOARD_SPACE": "local", "JOB_ID": os.environ.get("JOB_ID", workdir.name),
+        # The scripted tasks' own list (prepare_tasks' format), in the order the sessions serve them.
+        "TASK_DATA": write_task_list(workdir / "data", [task["task_name"] for task in make_tasks(REHEARSAL_TASKS)]),
     }
 
 
@@ -247,11 +258,16 @@ def main(argv: list[str] | None = None) -> int:
             ledger.replace(workdir / f"rollouts.start-{len(list(workdir.glob('rollouts.*.json'))) + 1}.json")
         factory = functools.partial(ScriptedAgentSessionFactory, capture_url, llm_url=vllm_url,
                                     model=recipe.SERVED_MODEL_NAME, agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS,
-                                    sandbox_root=str(workdir / "sandboxes"), faults=faults)
+                                    sandbox_root=str(workdir / "sandboxes"), faults=faults,
+                                    num_tasks=REHEARSAL_TASKS)
         transfer = InProcessWeightTransfer(server)
         log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), transfer,
                       resumable[-1] if resumable else None)
-        transfer.on_trainer = lambda trainer: trainer.add_callback(log)
+        def attach(trainer: Any) -> None:
+            log.trainer = trainer
+            trainer.add_callback(log)
+
+        transfer.on_trainer = attach
         wait_for_proxy(proxy, capture_url, workdir / "capture.log")
         print(f"rehearse: workdir {workdir}; policy server {vllm_url}; capture proxy {capture_url} "
               f"({time.monotonic() - started:.0f} s)", flush=True)
