@@ -114,6 +114,8 @@ SMOKE_STEPS = 20
 SMOKE_MIN_STEPS = 2
 NUM_GENERATIONS = 8  # One GRPO group of 8 rollouts = one task per step.
 MAX_STALENESS = 4
+# Rollouts in flight at once, one HF Sandbox each (train_lora gives TRL's worker this number).
+MAX_INFLIGHT_ROLLOUTS = 32
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
 
 # --- Reward ------------------------------------------------------------------
@@ -168,10 +170,10 @@ WORKER_START_LIMIT_S = 300
 STALL_MARGIN_S = 180
 STALL_MINUTES = -(-(WORKER_START_LIMIT_S + TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S + STALL_MARGIN_S) // 60)
 # Rollout guard (rollout_guard.py): an infrastructure failure costs one rollout (unscorable, counted); these stop
-# the job. A streak of one whole wave of in-flight rollouts (train_lora sets max_inflight_tasks to the same
-# product, 32): at even a 25% independent failure rate 32 in a row has probability 0.25**32 ~ 5e-20, so a streak
+# the job. A streak of one whole wave of in-flight rollouts (MAX_INFLIGHT_ROLLOUTS, 32): at even a 25% independent
+# failure rate 32 in a row has probability 0.25**32 ~ 5e-20, so a streak
 # means a shared cause (env server, vLLM, sandboxes or the capture path down), and it is seen within one wave.
-ROLLOUT_ABORT_STREAK = MAX_STALENESS * NUM_GENERATIONS
+ROLLOUT_ABORT_STREAK = MAX_INFLIGHT_ROLLOUTS
 # Or an intermittent shared cause: more than half of the last 256 rollouts (32 groups, about 32 steps) unscorable.
 # A healthy run loses a few percent; at 10% independent failures, 129+ of 256 has probability below 1e-40.
 ROLLOUT_WINDOW = 256

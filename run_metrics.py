@@ -9,7 +9,10 @@ TRL already logs, per optimizer step: `reward`, `kl`, `entropy`, `ratio` (import
   `rollout/tool_calls_mean` (tool calls per rollout that ran), counted in the rollout worker's child process;
 - `ratio/sample_min`, `ratio/sample_max`: the range of the per-sample importance-ratio means of the step (one
   sample per training row, see train_lora.conv_safe_batching);
-- `perf/weight_sync_fused_tensors` is logged by weight_sync.MergeFreeAsyncGRPOTrainer itself.
+- `perf/weight_sync_fused_tensors` is logged by weight_sync.MergeFreeAsyncGRPOTrainer itself;
+- `sample/forked_frac` (FORKED_FRAC): the share of the step's trained samples whose rollout forked;
+- `sample/dropped_stale_total` on every step: TRL logs its count of samples dropped as too stale only on steps that
+  dropped one (StaleDrops adds the zero), so a step without the key is never mistaken for a step without data.
 """
 
 from __future__ import annotations
@@ -23,10 +26,16 @@ from typing import Any
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
 from transformers.integrations import TrackioCallback
 from transformers.integrations.integration_utils import rewrite_logs
+from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, RolloutSample
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
 
 import dashboard
 
+# Per sample: 1.0 if the rollout it came from forked into several training rows (lossless capture), else 0.0. TRL's
+# collator averages per-sample metrics over each micro-batch, so the step's log holds the share of its trained samples
+# that are parts of a forked rollout: on every step, unlike TRL's `rollout/fork_frac` (forks per turn transition of the
+# rollouts that finished in the window, absent when none did).
+FORKED_FRAC = "sample/forked_frac"
 Rollout = tuple[Any, ...]  # TRL's (completion, completion_ids, sequences, tool_calls, tool_failures, reward)
 
 
@@ -81,6 +90,14 @@ class CountingRolloutLoop(_HarnessRolloutLoop):
             self._finished.append(counts)
         return result, metrics
 
+    async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
+        """TRL's scoring; each sample also says whether its rollout's capture forked (FORKED_FRAC, see there)."""
+        samples = await super()._score_group(group)
+        forked = [float(len(rows) > 1) for rows in group.completions_sequences for _ in rows]  # TRL's sample order
+        for sample, flag in zip(samples, forked, strict=True):
+            sample.metrics[FORKED_FRAC] = flag
+        return samples
+
     def _push_metrics(self, values: dict[str, float | tuple[float, float]]) -> None:
         with self._finished_lock:
             finished, self._finished = self._finished, []
@@ -111,6 +128,21 @@ class RatioRange(TrainerCallback):
         self.seen = 0  # TRL clears the sink right after this log
 
 
+# TRL 1.15's counter (RolloutQueueDataset): +1 per training sample (row) the trainer pulled and dropped for being more
+# than max_staleness versions old; summed per logging window (`total` in the name), i.e. since the last step.
+DROPPED_STALE = "sample/dropped_stale_total"
+
+
+class StaleDrops(TrainerCallback):
+    """Makes every step's log carry TRL's stale-drop count: a 0 added to the step's sum, which TRL then reduces."""
+
+    def __init__(self, sink: dict[str, list[Any]]) -> None:
+        self.sink = sink
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        self.sink[DROPPED_STALE].append(0.0)
+
+
 class SafeTrackioCallback(TrackioCallback):
     """transformers' Trackio callback, started through dashboard.init_run (a Space failure falls back to local logs),
     logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis.
@@ -137,10 +169,11 @@ class SafeTrackioCallback(TrackioCallback):
 
 
 def attach(trainer: Any) -> None:
-    """Swap the trainer's Trackio callback for the fail-safe one and add the ratio range."""
+    """Swap the trainer's Trackio callback for the fail-safe one; add the ratio range and the stale-drop count."""
     if trainer.pop_callback(TrackioCallback) is not None:
         trainer.add_callback(SafeTrackioCallback())
     trainer.add_callback(RatioRange(trainer._metrics["train"]))
+    trainer.add_callback(StaleDrops(trainer._metrics["train"]))
 
 
 def dashboard_url(trainer: Any) -> str | None:

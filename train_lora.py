@@ -226,7 +226,6 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
     batching = conv_safe_batching()
-    samples_per_step = batching["per_device_train_batch_size"] * batching["gradient_accumulation_steps"]
     return AsyncGRPOConfig(
         output_dir=settings.output_dir,
         dtype=recipe.TRAINER_DTYPE,
@@ -245,8 +244,8 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
         max_tool_calling_iterations=recipe.MAX_TOOL_CALLING_ITERATIONS,
         max_staleness=recipe.MAX_STALENESS,
         # Set here, not left at -1 (auto): the injected worker gets nothing from the config, so both sides
-        # must read the same number. Same value TRL's auto rule gives.
-        max_inflight_tasks=recipe.MAX_STALENESS * samples_per_step,
+        # must read the same number (recipe.py says why this one, from benchmarks/rollout_pipeline.py).
+        max_inflight_tasks=recipe.MAX_INFLIGHT_ROLLOUTS,
         vllm_server_base_url=settings.vllm_url,
         report_to=settings.report_to,
         # Trackio: one project per adapter repo, one run per job, a private Space under the token's owner that stays

@@ -269,8 +269,8 @@ def test_real_trainer_and_config_from_the_builders(built):
     assert trainer.model.base_model.model.dtype == torch.float32  # Frozen base kept in fp32 (no merge drift).
     assert (args.learning_rate, args.max_steps, args.save_steps) == (
         recipe.LEARNING_RATE, recipe.MAX_STEPS, recipe.SAVE_STEPS)
-    assert (args.num_generations, args.max_completion_length, args.max_staleness) == (
-        recipe.NUM_GENERATIONS, recipe.MAX_TOKENS, recipe.MAX_STALENESS)
+    assert (args.num_generations, args.max_completion_length, args.max_staleness, args.max_inflight_tasks) == (
+        recipe.NUM_GENERATIONS, recipe.MAX_TOKENS, recipe.MAX_STALENESS, recipe.MAX_INFLIGHT_ROLLOUTS)
     assert (args.temperature, args.top_p, args.top_k) == (recipe.TEMPERATURE, recipe.TOP_P, recipe.TOP_K)
     assert args.vllm_server_base_url == settings.vllm_url
     assert wrapped_modules(trainer.model) == wrapped_modules(get_peft_model(tiny_model()[0], train_lora.lora_config()))
