@@ -255,3 +255,16 @@ def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
     assert hub.list_repo_files(REPO) == []
     with pytest.raises(recipe.ConfigError, match="does not end with -smoke"):
         smoke_report.clear(hub, "you/LFM2.5-2.6B-opencode-lora-RL")
+
+
+def test_an_unexpected_failure_of_the_report_ends_in_one_line(hub, tmp_path, monkeypatch, capsys):
+    """Issue 26, item 11: every entry point ends a failure the same way (adapter_repo.run_cli): here a work folder
+    that is not there (the job died before making it) used to end the report in a traceback."""
+    monkeypatch.setenv("ADAPTER_REPO", REPO)
+    monkeypatch.setenv("HF_TOKEN", "hf_test_placeholder")
+    monkeypatch.delenv("DEBUG", raising=False)
+    rc = smoke_report.main(["report", "--work-dir", str(tmp_path / "missing"), "--stages", str(tmp_path / "stages")],
+                           make_api=lambda _: hub)
+    err = capsys.readouterr().err
+    assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
+    assert err.startswith("smoke_report: unexpected FileNotFoundError: ") and "rerun with DEBUG=1" in err
