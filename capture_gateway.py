@@ -10,6 +10,11 @@ including the capture proxy's session-management routes (`/capture/sessions...`:
 control plane, used on loopback only). Paths that could be normalised into another route (`..`,
 `//`, percent-escapes) are refused before anything is forwarded. Streaming replies pass through.
 
+The port is public, so nothing is read from a request that carries no session key: the capture proxy's model routes
+answer only a registered session (its key is the agent's API key), and a request with none is refused here (401)
+before its body is read, except the two bodiless reads the capture app answers to anyone (`GET /capture/health`, the
+readiness check, and `GET /capture/v1/models`). A body is read up to recipe.CAPTURE_MAX_BODY_BYTES (413 past it).
+
     python3 capture_gateway.py    # 0.0.0.0:<PUBLIC_PORT> -> http://127.0.0.1:<ENV_PORT>; serve_env.sh starts it
 """
 
@@ -19,7 +24,7 @@ import argparse
 import contextlib
 import os
 import re
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 
 import httpx
 import uvicorn
@@ -35,6 +40,8 @@ PREFIX = "/capture"
 # One segment of a forwardable path: no dots-only segments, no escapes, no empty segments.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-.:~@]+$")
 _CONTROL_PLANE = {"sessions"}
+# Routes the capture app answers without a session (openenv's capture server: /health and /v1/models), GET only.
+_KEYLESS = {"health", "v1/models"}
 # Connection-level headers that must not be relayed (RFC 9110 7.6.1), plus ones httpx/uvicorn recompute.
 _HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
@@ -56,6 +63,34 @@ def _refused() -> JSONResponse:
     return JSONResponse({"error": f"not found: only {PREFIX}/ is served on this port"}, status_code=404)
 
 
+def session_key(headers: Mapping[str, str]) -> str | None:
+    """The capture session a request names, where the capture proxy looks for it: `Authorization: Bearer`, then
+    `x-api-key` (what the seam patch makes OpenCode send: the Jobs proxy strips Authorization), then
+    `x-goog-api-key` (openenv's capture/sessions.py extract_api_key; tests/test_servers.py holds the two equal)."""
+    auth = headers.get("authorization", "")
+    if auth.lower().startswith("bearer ") and auth[7:].strip():
+        return auth[7:].strip()
+    return (headers.get("x-api-key", "").strip() or headers.get("x-goog-api-key", "").strip()) or None
+
+
+class BodyTooLarge(Exception):
+    """A request body past recipe.CAPTURE_MAX_BODY_BYTES."""
+
+
+async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYTES) -> bytes:
+    """The request body, refused as soon as it is known to pass `limit` (by its Content-Length, or while reading)."""
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise BodyTooLarge
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise BodyTooLarge
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
 def create_app(upstream: str) -> Starlette:
     """The gateway as an ASGI app forwarding allowed paths to `upstream` (the env server's root URL)."""
     # No read timeout (a MAX_TOKENS completion streams for minutes; the agent timeout bounds it) and no
@@ -68,10 +103,19 @@ def create_app(upstream: str) -> Starlette:
         raw_path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1").split("?", 1)[0]
         if not forwardable(raw_path):
             return _refused()
+        keyless = request.method in ("GET", "HEAD") and raw_path[len(PREFIX) + 1:] in _KEYLESS
+        if not keyless and session_key(request.headers) is None:
+            return JSONResponse({"error": "no capture session key: send the session as x-api-key (or Authorization: "
+                                          "Bearer)"}, status_code=401)
+        try:
+            body = await capped_body(request)
+        except BodyTooLarge:
+            return JSONResponse({"error": f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes "
+                                          "(recipe.CAPTURE_MAX_BODY_BYTES)"}, status_code=413)
         query = request.scope.get("query_string", b"").decode("latin-1")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
         upstream_request = client.build_request(
-            request.method, raw_path + (f"?{query}" if query else ""), headers=headers, content=await request.body()
+            request.method, raw_path + (f"?{query}" if query else ""), headers=headers, content=body
         )
         try:
             reply = await client.send(upstream_request, stream=True)

@@ -96,15 +96,10 @@ require_gpus() {
   done
 }
 
-# require_sandbox_credentials: checks SANDBOX (default recipe SANDBOX) is a known backend and its key is set.
+# require_sandbox_credentials: SANDBOX is the one backend the job installs (recipe.py's check) and HF_TOKEN is set.
 require_sandbox_credentials() {
-  local sandbox="${SANDBOX:-$(recipe SANDBOX)}"
-  case "$sandbox" in
-    hf-sandbox) [ -n "${HF_TOKEN:-}" ] || die "SANDBOX=hf-sandbox needs HF_TOKEN: pass it as a job secret" ;;
-    daytona) [ -n "${DAYTONA_API_KEY:-}" ] || die "SANDBOX=daytona needs DAYTONA_API_KEY: pass it as a job secret" ;;
-    e2b) [ -n "${E2B_API_KEY:-}" ] || die "SANDBOX=e2b needs E2B_API_KEY: pass it as a job secret" ;;
-    *) die "unknown SANDBOX=$sandbox: use hf-sandbox (default), daytona or e2b" ;;
-  esac
+  env_knobs SANDBOX
+  [ -n "${HF_TOKEN:-}" ] || die "SANDBOX=$SANDBOX needs HF_TOKEN: pass it as a job secret"
 }
 
 # Runs a command, or prints it under DRY_RUN=1.
@@ -154,8 +149,9 @@ except recipe.ConfigError as exc:
 # capture proxy) and CAPTURE_URL, or dies naming the variables to set.
 resolve_public_host() {
   local job_id="${JOB_ID:-${HF_JOB_ID:-}}"
-  if [ -n "${SPACE_HOST:-}" ]; then
-    PUBLIC_HOSTNAME="${SPACE_HOST#https://}"; PUBLIC_HOSTNAME="${PUBLIC_HOSTNAME#http://}"; PUBLIC_HOSTNAME="${PUBLIC_HOSTNAME%/}"
+  env_knobs SPACE_HOST
+  if [ -n "$SPACE_HOST" ]; then
+    PUBLIC_HOSTNAME="$SPACE_HOST"
   elif [ -n "$job_id" ]; then
     [[ "$job_id" =~ ^[A-Za-z0-9-]+$ ]] || die "JOB_ID=$job_id is not a job id (letters, digits, -)"
     PUBLIC_HOSTNAME="$job_id--$PUBLIC_PORT.hf.jobs"

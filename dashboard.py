@@ -23,7 +23,6 @@ import sys
 import time
 import warnings
 from collections.abc import Mapping
-from importlib.util import find_spec
 from typing import Any
 
 import recipe
@@ -35,19 +34,9 @@ LOCAL = "local"  # DASHBOARD_SPACE value: no Space, Trackio logs on the machine 
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
 
 
-def checked_reporter(value: str) -> str:
-    """One of recipe.REPORTERS, or a ConfigError naming them."""
-    if value not in recipe.REPORTERS:
-        raise recipe.ConfigError(f"REPORT_TO={value!r} is not one of {', '.join(recipe.REPORTERS)}")
-    return value
-
-
 def reporter(env: Mapping[str, str]) -> str:
-    """REPORT_TO for this run (default recipe.REPORT_TO), refused before any GPU time if unknown or not installed."""
-    value = checked_reporter(env.get("REPORT_TO", "").strip() or recipe.REPORT_TO)
-    if value == "tensorboard" and not (find_spec("tensorboard") or find_spec("tensorboardX")):
-        raise recipe.ConfigError("REPORT_TO=tensorboard: pip install tensorboard first, or use REPORT_TO=trackio")
-    return value
+    """REPORT_TO for this run (default recipe.REPORT_TO): recipe.py's check, the one the job's preflight runs."""
+    return recipe.knob("REPORT_TO", env)
 
 
 def space(env: Mapping[str, str]) -> str | None:

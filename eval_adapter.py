@@ -643,8 +643,9 @@ def main() -> None:
     checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
     concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
     n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
+    sandbox = recipe.knob("SANDBOX")
     token = recipe.require_token()
-    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
+    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
     tasks = factory.tasks()  # before eval_sampling(): a missing env server is said before OpenEnv's import
     eval_sampling()
     from huggingface_hub import HfApi

@@ -382,6 +382,7 @@ def main() -> None:
     n_tasks = recipe.knob("N_TASKS", value=args.n_tasks)
     max_idle_s = recipe.knob("MAX_IDLE_HOURS", value=args.max_idle_hours) * 3600
     concurrency = recipe.knob("EVAL_CONCURRENCY")
+    sandbox = recipe.knob("SANDBOX")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
     token = recipe.require_token()  # before eval_sampling(): OpenEnv's import takes seconds, a missing token none
@@ -390,7 +391,7 @@ def main() -> None:
 
     api = HfApi(token=token)
     wait_for_repo(api, repo_id, max_idle_s)
-    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, os.environ.get("SANDBOX", recipe.SANDBOX))
+    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
     tasks = factory.tasks()
     choose_subset(len(tasks), n_tasks)
     board = dashboard.for_eval(repo_id, "eval-watch", os.environ)

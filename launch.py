@@ -58,8 +58,6 @@ BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
 COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
                 "adapter_repo.py", "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py",
                 "dashboard.py")
-# Backends other than the default (recipe.SANDBOX, HF Sandboxes under HF_TOKEN), and the secret each needs.
-SANDBOX_KEYS = {"daytona": "DAYTONA_API_KEY", "e2b": "E2B_API_KEY"}
 REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
@@ -180,6 +178,22 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
                                  "with --checkpoint")
 
 
+def watch_notes(api: Any, adapter_repo: str, job_vars: dict[str, str]) -> list[str]:
+    """What an eval watcher will do on a repo that does not exist yet (usually: its training job has not created it)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        api.repo_info(adapter_repo)
+        return []
+    except RepositoryNotFoundError:
+        pass
+    hours = recipe.shell_value(recipe.knob("MAX_IDLE_HOURS", job_vars))
+    return [f"{adapter_repo} does not exist yet: the watcher waits for a job to create it, checking every "
+            f"{recipe.EVAL_POLL_SECONDS // 60} min, and fails after MAX_IDLE_HOURS={hours} h (the GPU is billed "
+            "meanwhile); launch the training job for this repo too (it creates the repo when it starts), or fix the "
+            "name and relaunch"]
+
+
 def smoke_repo(adapter_repo: str) -> str:
     """The smoke run's own repo: its final adapter must not land in the real run's (the eval watcher stops at it)."""
     try:
@@ -199,19 +213,6 @@ def passed_knobs(mode: str, args: argparse.Namespace, env: dict[str, str]) -> di
         if str(given if given is not None else env.get(name, "")).strip():
             passed[name] = recipe.shell_value(recipe.knob(name, env, given))
     return passed
-
-
-def checked_sandbox(sandbox: str, env: dict[str, str]) -> dict[str, str]:
-    """The extra secret a non-default sandbox backend needs (empty for hf-sandbox, which uses HF_TOKEN)."""
-    if sandbox == recipe.SANDBOX:
-        return {}
-    if sandbox not in SANDBOX_KEYS:
-        raise recipe.ConfigError(f"SANDBOX={sandbox!r} is unknown: use {recipe.SANDBOX}, "
-                                 f"{', '.join(SANDBOX_KEYS)}")
-    key = SANDBOX_KEYS[sandbox]
-    if not env.get(key, "").strip():
-        raise recipe.ConfigError(f"SANDBOX={sandbox} needs {key}: export {key}=... (it is passed as a job secret)")
-    return {key: env[key].strip()}
 
 
 # --- the job spec --------------------------------------------------------------------------------------
@@ -243,8 +244,6 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
             job["MAX_IDLE_HOURS"] = recipe.shell_value(smoke_report.plan()["cap_s"] / 3600)
     else:
         job["CHECKPOINT"] = recipe.knob("CHECKPOINT", env, args.checkpoint)
-    if args.sandbox != recipe.SANDBOX:
-        job["SANDBOX"] = args.sandbox
     job["REPORT_TO"] = args.report_to
     if args.dashboard_space != recipe.DASHBOARD_SPACE:
         job["DASHBOARD_SPACE"] = args.dashboard_space
@@ -348,8 +347,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     common.add_argument("--code-repo", default=env.get("CODE_REPO"),
                         help=f"repo the code bundle is uploaded to (env CODE_REPO; default <owner>/{CODE_REPO_NAME})")
     common.add_argument("--sandbox", default=env.get("SANDBOX", recipe.SANDBOX),
-                        help=f"task sandbox backend (env SANDBOX, default {recipe.SANDBOX}; daytona/e2b need "
-                             "DAYTONA_API_KEY/E2B_API_KEY)")
+                        help=f"task sandbox backend (env SANDBOX): only {recipe.SANDBOX}, the one the job installs")
     common.add_argument("--report-to", default=env.get("REPORT_TO", recipe.REPORT_TO),
                         help=f"training/eval dashboard: {', '.join(recipe.REPORTERS)} (env REPORT_TO, default "
                              f"{recipe.REPORT_TO})")
@@ -404,9 +402,11 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     check_task_lists(bundle)
     files = bundle_files(bundle)
     check_bundle(bundle, mode, files)
-    dashboard.checked_reporter(args.report_to)
+    recipe.knob("SANDBOX", env, args.sandbox)
+    recipe.knob("REPORT_TO", env, args.report_to)
     job_vars = job_env(mode, adapter_repo, args, env)
-    secrets = {"HF_TOKEN": token, **checked_sandbox(args.sandbox, env)}
+    recipe.check_together(job_vars, job_vars)  # what the job's own preflight would refuse, refused here
+    secrets = {"HF_TOKEN": token}
     said = {"notes": told} if (told := notes(mode, job_vars)) else {}
     timeout = smoke_timeout(mode, args, job_vars)
     if mode == "smoke":  # what the job will do with its cap: the stage budget it checks itself against
@@ -417,6 +417,8 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
                 "dashboard": dashboard_info(args, adapter_repo, TOKEN_OWNER), **said}
     api = make_api(token)
     check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"))
+    if mode == "eval-watch" and (told := watch_notes(api, adapter_repo, job_vars)):
+        said["notes"] = said.get("notes", []) + told
     revision = upload_bundle(api, code_repo, bundle, files)
     spec = job_spec(mode, code_repo, revision, job_vars, secrets, timeout)
     job = api.run_job(**spec, token=token)

@@ -15,7 +15,7 @@ import os
 import re
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +68,10 @@ FREEZE_SEED = 20260101
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
 # Task data is pulled into each sandbox from this public bucket by the task's healthcheck.
 DATA_BUCKET = "AdithyaSK/jupyter-agent-kaggle-all"
-# Harbor sandbox backend for every rollout (train and eval): HF Sandboxes, no third-party account.
+# Harbor sandbox backend for every rollout (train and eval): HF Sandboxes, no third-party account. The only one
+# offered: the job installs harbor[hf-sandbox] alone, and no other backend's rollout chain was ever run. harbor[daytona]
+# and harbor[e2b] do resolve beside vLLM 0.31's pins (pip --dry-run, 2026-12-01: 28 and 15 more packages), but with
+# neither installed nor checked, every rollout of SANDBOX=daytona|e2b failed at sandbox creation (issue 26).
 SANDBOX = "hf-sandbox"
 # Tasks shipped with 1 GB were OOM-killed (exit 137) and scored as wrong: 4 GB fixes it.
 TASK_CPUS = 1
@@ -179,10 +182,18 @@ ROLLOUT_ABORT_STREAK = MAX_INFLIGHT_ROLLOUTS
 ROLLOUT_WINDOW = 256
 ROLLOUT_MAX_UNSCORABLE = 0.5
 WATCH_INTERVAL_S = 30  # Watchdog: seconds between its checks.
+# The most WATCH_INTERVAL may be: the watchdog sees a dead vLLM or env server, a stall and the smoke deadline only
+# at its checks, so at most 5 minutes of two idle GPUs pass before the job says so (and never more than STALL_SECONDS).
+WATCH_INTERVAL_MAX_S = 300
 READY_TIMEOUT_S = 1800  # vLLM and the env server must answer their health check within this (model download).
 # Env server sessions at once (OpenEnv's default is 4): every in-flight rollout holds one, and the
 # ones past the cap fail with SessionCapacityError. Must exceed training and eval concurrency.
 ENV_MAX_SESSIONS = 64
+# The public gateway's cap on one request body (capture_gateway.py reads a body before forwarding it). A request whose
+# prompt fills MAX_MODEL_LEN (32,768 tokens, ~4 bytes a token of English or code) is ~130 KB of JSON, ~800 KB if every
+# character were \u-escaped (6 bytes), plus OpenCode's system prompt and tool schemas (tens of KB): 8 MiB is 10x the
+# largest request the model can take, and bounds what an unauthenticated caller can make the job hold in memory.
+CAPTURE_MAX_BODY_BYTES = 8 * 1024 * 1024
 # OpenCode release the sandboxes install (Harbor's default floats); the x-api-key seam was checked on it.
 OPENCODE_VERSION = "1.18.33"
 PUSH_RETRIES = 5
@@ -203,9 +214,9 @@ CAS_BACKOFF_S = 2.0
 # Trainer weight-sync modes (weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
 WEIGHT_SYNC_MODES = ("merge_free", "stock")
 # --- Dashboard -----------------------------------------------------------------
-# Where training and eval metrics go (env REPORT_TO per run): Trackio, TensorBoard (needs `pip install
-# tensorboard`; the evals then log nothing to a dashboard) or none.
-REPORTERS = ("trackio", "tensorboard", "none")
+# Where training and eval metrics go (env REPORT_TO per run): Trackio or none. Not TensorBoard: the job installs no
+# tensorboard (trackio is resolved beside vLLM, tensorboard is not), so it failed at trainer start, 15-25 min in.
+REPORTERS = ("trackio", "none")
 REPORT_TO = "trackio"
 # Trackio dashboard Space, created private under the HF token's owner (env DASHBOARD_SPACE; "local" = no Space,
 # Trackio logs on the machine only). Training, the eval watcher and the final eval all log to it.
@@ -307,7 +318,6 @@ def read_json(path: str | Path) -> Any:
 
 
 # --- Checks shared by every entry point ----------------------------------------
-_REPO_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,95}/[A-Za-z0-9][A-Za-z0-9._-]{0,95}$")
 REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 
 
@@ -316,12 +326,30 @@ class ConfigError(ValueError):
 
 
 def require_repo_id(value: str | None, var: str) -> str:
-    """Return `value` if it is an `owner/name` repo id; otherwise explain the expected form."""
+    """Return `value` if it is an `owner/name` repo id the Hub accepts; otherwise explain the expected form.
+
+    The character rules are huggingface_hub's own `validate_repo_id` (no `--`, `..` or `.git` end, ...), never a copy:
+    a rule of ours that the Hub did not share let `you/x--y` launch jobs that failed 20-30 min in. Every caller has
+    huggingface_hub: the launcher and the training stack depend on it, and the job installs it before run_job.sh
+    starts (launch.job_command; the vLLM image ships it too). Only the `owner/` part is the recipe's own rule.
+    """
     if not value:
         raise ConfigError(f"{var} is not set: set it to your repo id, e.g. {var}=you/LFM2.5-2.6B-opencode-lora-RL")
-    if not _REPO_ID.match(value) or ".." in value or value.endswith((".", "-")):
-        raise ConfigError(f"{var}={value!r} is not a valid repo id: use 'owner/name' (letters, digits, . _ -)")
-    return value
+    try:
+        from huggingface_hub.utils import HFValidationError, validate_repo_id
+    except ImportError:
+        raise ConfigError(f"{var} cannot be checked: huggingface_hub is not installed; pip install "
+                          f"'huggingface_hub{pinned_versions()['huggingface-hub']}'") from None
+    why = ""
+    try:
+        validate_repo_id(value)
+    except HFValidationError as error:
+        why = f" (the Hub's rule: {str(error).rstrip('.')})"
+    else:
+        if value.count("/") == 1:
+            return value
+    raise ConfigError(f"{var}={value!r} is not a valid repo id{why}: use 'owner/name', "
+                      "e.g. you/LFM2.5-2.6B-opencode-lora-RL")
 
 
 def require_token(env: dict[str, str] | None = None) -> str:
@@ -404,6 +432,26 @@ def _step_or_off(raw: str, var: str) -> int:
     return 0 if raw.strip() == "0" else whole_number(raw, var)
 
 
+def _offered(raw: str, var: str, choices: tuple[str, ...], why: str) -> str:
+    """One of `choices`; anything else is refused with why it is not offered."""
+    if raw.strip() not in choices:
+        raise ConfigError(f"{var}={raw.strip()!r} is not offered ({why}): use {var}={choices[0]}"
+                          + (f" (or {', '.join(choices[1:])})" if choices[1:] else ""))
+    return raw.strip()
+
+
+_HOST_LABEL = re.compile(r"^[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?$")
+
+
+def host_name(raw: str, var: str) -> str:
+    """A bare host name (an https:// or http:// prefix and a trailing / are dropped): where sandboxes reach /capture."""
+    host = raw.strip().removeprefix("https://").removeprefix("http://").removesuffix("/")
+    if len(host) > 253 or not all(_HOST_LABEL.match(label) for label in host.split(".")):
+        raise ConfigError(f"{var}={raw.strip()!r} is not a host name: use the job's public host, e.g. "
+                          f"{var}=<job-id>--{PUBLIC_PORT}.hf.jobs (no path, no port)")
+    return host
+
+
 _port = functools.partial(whole_number, upper=65535)
 # name -> (default, or a function of the environment giving it; check(raw, name) -> value)
 ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
@@ -424,7 +472,8 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "N_TASKS": (EVAL_WATCH_TASKS, functools.partial(whole_number, upper=TEST_TASKS, why="tasks in data/test.json")),
     "CHECKPOINT": (FINAL, checkpoint_arg),
     "MAX_IDLE_HOURS": (MAX_IDLE_HOURS, positive_number),
-    "EVAL_CONCURRENCY": (EVAL_CONCURRENCY, whole_number),
+    "EVAL_CONCURRENCY": (EVAL_CONCURRENCY, functools.partial(
+        whole_number, upper=ENV_MAX_SESSIONS, why="the env server's ENV_MAX_SESSIONS; rollouts past it would fail")),
     "EVAL_MODE": ("full", functools.partial(one_of, choices=("full", "watch"))),
     "EVAL_TASKS": (TEST_TASKS, functools.partial(whole_number, upper=TEST_TASKS, why="tasks in data/test.json")),
     "MODE": ("train", functools.partial(one_of, choices=("train", "smoke"))),
@@ -433,7 +482,58 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "POLICY_PORT": (VLLM_PORT, _port),
     "ENV_PORT": (ENV_PORT, _port),
     "PUBLIC_PORT": (PUBLIC_PORT, _port),
+    "SPACE_HOST": ("", host_name),  # unset: run_job.sh / run_eval.sh derive it from JOB_ID
+    "REPORT_TO": (REPORT_TO, functools.partial(_offered, choices=REPORTERS,
+                                               why="the job installs Trackio and no other dashboard")),
+    "SANDBOX": (SANDBOX, functools.partial(_offered, choices=(SANDBOX,),
+                                           why="the job installs and checks only harbor[hf-sandbox]")),
 }
+
+
+# --- Knobs that are each fine alone but fail together: checked wherever one of them is (recipe.py --env, launch.py)
+def _save_within_run(env: Mapping[str, str]) -> None:
+    if env.get("SAVE_STEPS", "").strip() and knob("SAVE_STEPS", env) > (steps := knob("MAX_STEPS", env)):
+        raise ConfigError(f"SAVE_STEPS={knob('SAVE_STEPS', env)} is more than MAX_STEPS={steps}: the run would push no "
+                          f"checkpoint before its end (nothing to resume or watch); use SAVE_STEPS={steps} or less")
+
+
+def _one_stall_limit(env: Mapping[str, str]) -> None:
+    if env.get("STALL_SECONDS", "").strip() and env.get("STALL_MINUTES", "").strip():
+        raise ConfigError(f"STALL_SECONDS={env['STALL_SECONDS'].strip()} and STALL_MINUTES="
+                          f"{env['STALL_MINUTES'].strip()} are both set, and STALL_SECONDS would win: set only one")
+
+
+def _watch_often_enough(env: Mapping[str, str]) -> None:
+    limit = min(WATCH_INTERVAL_MAX_S, knob("STALL_SECONDS", env))
+    if (interval := knob("WATCH_INTERVAL", env)) > limit:
+        raise ConfigError(f"WATCH_INTERVAL={interval:g} is too long: the watchdog sees a stall or a dead server only "
+                          f"at its checks; use at most {limit:g} (seconds)")
+
+
+def _ports_distinct(env: Mapping[str, str]) -> None:
+    ports: dict[int, str] = {}
+    for name in ("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"):
+        port = knob(name, env)
+        if port in ports:
+            raise ConfigError(f"{ports[port]} and {name} are both {port}: give vLLM, the env server and the public "
+                              "gateway a port each")
+        ports[port] = name
+
+
+KNOB_RULES: tuple[tuple[tuple[str, ...], Callable[[Mapping[str, str]], None]], ...] = (
+    (("SAVE_STEPS", "MAX_STEPS"), _save_within_run),
+    (("STALL_SECONDS", "STALL_MINUTES"), _one_stall_limit),
+    (("WATCH_INTERVAL", "STALL_SECONDS", "STALL_MINUTES"), _watch_often_enough),
+    (("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"), _ports_distinct),
+)
+
+
+def check_together(env: Mapping[str, str], names: Iterable[str]) -> None:
+    """Run every rule of KNOB_RULES that involves one of `names`, on the knobs' values in `env` (defaults if unset)."""
+    wanted = set(names)
+    for involved, rule in KNOB_RULES:
+        if wanted.intersection(involved):
+            rule(env)
 
 
 def knob(name: str, env: Mapping[str, str] | None = None, value: object = None) -> Any:
@@ -489,6 +589,7 @@ def _print_env_knobs(names: list[str]) -> None:
         sys.exit(f"recipe.py: unknown environment knob {unknown[0]!r}")
     try:
         lines = [f"{name}={shell_value(knob(name))}" for name in names]
+        check_together(os.environ, names)
     except ConfigError as exc:
         sys.exit(str(exc))
     print("\n".join(lines))

@@ -16,7 +16,7 @@
 #   EVAL_MODE=full           full = eval_adapter.py on all test tasks; watch = eval_watch.py (live curve).
 #   N_TASKS=<EVAL_WATCH_TASKS>   watch mode: size of the fixed test subset.
 #   MAX_IDLE_HOURS=<MAX_IDLE_HOURS>  watch mode: stop after this long without a new checkpoint.
-#   SANDBOX=<SANDBOX>        hf-sandbox | daytona (DAYTONA_API_KEY) | e2b (E2B_API_KEY).
+#   SANDBOX=<SANDBOX>        the only backend the job installs (daytona and e2b are refused).  REPORT_TO=<REPORT_TO>
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host (sandboxes reach the capture proxy there).
 #   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>   rollouts in flight.
 #   GPU=<EVAL_GPU>           GPU for vLLM.   READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
@@ -32,11 +32,11 @@ STEPS=5
 # run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK EVAL_GPU SANDBOX EVAL_FLAVOR)
-  [ "${#k[@]}" -eq 4 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
-  LOOPBACK="${k[0]}"; GPU="${GPU:-${k[1]}}"; SANDBOX="${SANDBOX:-${k[2]}}"; JOB_FLAVOR="${k[3]}"
+  mapfile -t k < <(recipe LOOPBACK EVAL_GPU EVAL_FLAVOR)
+  [ "${#k[@]}" -eq 3 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  LOOPBACK="${k[0]}"; GPU="${GPU:-${k[1]}}"; JOB_FLAVOR="${k[2]}"
   env_knobs EVAL_MODE CHECKPOINT EVAL_TASKS N_TASKS MAX_IDLE_HOURS EVAL_CONCURRENCY READY_TIMEOUT POLICY_PORT ENV_PORT \
-    PUBLIC_PORT
+    PUBLIC_PORT SANDBOX REPORT_TO
   WORK_DIR="${WORK_DIR:-/tmp/lfm-eval}"; TASKS_DIR="$WORK_DIR/tasks"
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
   export SANDBOX

@@ -11,7 +11,7 @@
 #   HF_TOKEN                 required (job secret); never printed.
 #   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the recipe's ~40-minute smoke).  SAVE_STEPS=<SAVE_STEPS>
 #   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
-#   SANDBOX=<SANDBOX>        hf-sandbox | daytona (DAYTONA_API_KEY) | e2b (E2B_API_KEY).
+#   SANDBOX=<SANDBOX>        the only backend the job installs (daytona and e2b are refused).  REPORT_TO=<REPORT_TO>
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   OPENENV_GIT=<OPENENV_GIT>  OPENENV_COMMIT=<OPENENV_COMMIT>   OpenEnv checkout providing envs/harbor_env.
 #   WORK_DIR=/tmp/lfm-job    tasks, OpenEnv clone, trainer output, heartbeat. Logs: LOG_DIR=/tmp/lfm-logs.
@@ -41,15 +41,15 @@ launch() {
 # run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT SANDBOX TRAIN_FLAVOR SMOKE_STEPS)
-  [ "${#k[@]}" -eq 8 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT TRAIN_FLAVOR SMOKE_STEPS)
+  [ "${#k[@]}" -eq 7 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
   LOOPBACK="${k[0]}"; TRAINER_GPU="${k[1]}"; VLLM_GPU="${k[2]}"
-  OPENENV_GIT="${OPENENV_GIT:-${k[3]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[4]}}"; SANDBOX="${SANDBOX:-${k[5]}}"
-  JOB_FLAVOR="${k[6]}"
+  OPENENV_GIT="${OPENENV_GIT:-${k[3]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[4]}}"
+  JOB_FLAVOR="${k[5]}"
   env_knobs MODE
   STEPS=9
   if [ "$MODE" = smoke ]; then  # the smoke plan's numbers for its MAX_STEPS unless set (preflight checks them)
-    STEPS=10; export MAX_STEPS="${MAX_STEPS:-${k[7]}}"
+    STEPS=10; export MAX_STEPS="${MAX_STEPS:-${k[6]}}"
     env_knobs MAX_STEPS
     SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan --knobs --steps "$MAX_STEPS" 2>&1)" \
       || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
@@ -57,7 +57,7 @@ read_knobs() {
     export SAVE_STEPS="${SAVE_STEPS:-${plan_save%% *}}" EVAL_TASKS="${EVAL_TASKS:-$plan_eval}"
   fi
   env_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL \
-    READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT EVAL_TASKS
+    READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT EVAL_TASKS SANDBOX REPORT_TO
   WORK_DIR="${WORK_DIR:-/tmp/lfm-job}"; TASKS_DIR="$WORK_DIR/tasks"; OUTPUT_DIR="$WORK_DIR/output"
   HEARTBEAT_FILE="$WORK_DIR/heartbeat"; STAGES_FILE=""
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
@@ -192,13 +192,15 @@ resume_training() {
 }
 
 # run_trainer NAME OUTPUT_DIR [VAR=VALUE...]: the trainer on its GPU under the watchdog (and the smoke deadline).
+# DEBUG=1: a crash hours in leaves its traceback in the trainer's log (a rerun to see it would cost the run); the
+# last line is still the one-line reason supervise() quotes.
 run_trainer() {
   local name="$1" output="$2"
   shift 2
   local -a vars=(CUDA_VISIBLE_DEVICES="$TRAINER_GPU" ADAPTER_REPO="$ADAPTER_REPO" MAX_STEPS="$MAX_STEPS"
     SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
     OUTPUT_DIR="$output" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
-    SANDBOX="$SANDBOX" "$@")
+    SANDBOX="$SANDBOX" DEBUG=1 "$@")
   launch "$name" env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
   if dry_run; then
     echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, $name and the heartbeat age" \

@@ -57,7 +57,7 @@ check_inputs() {
     for dataset in $DATASETS; do [ -d "$dataset" ] || die "DATASETS entry $dataset is not a folder: run prepare_tasks.py first"; done
   fi
   [ -n "${SPACE_HOST:-}" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
-  SPACE_HOST="${SPACE_HOST#https://}"; SPACE_HOST="${SPACE_HOST#http://}"; SPACE_HOST="${SPACE_HOST%/}"
+  env_knobs SPACE_HOST
   env_knobs ALLOW_NON_LOOPBACK
   if [ "$ENV_HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
     die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"

@@ -575,6 +575,7 @@ def plan_knobs(steps: int) -> str:
 
 
 def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = None) -> int:
+    """Entry point: a failure ends in one line on stderr (DEBUG=1 prints the traceback first), as in every script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     show = sub.add_parser("plan", help="print the stage budget")
@@ -588,21 +589,18 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
     rep.add_argument("--work-dir", type=Path, required=True, help="run_job.sh's WORK_DIR")
     rep.add_argument("--stages", type=Path, required=True, help="run_job.sh's stage records")
     args = parser.parse_args(argv)
+    return adapter_repo.run_cli("smoke_report", lambda: command(args, make_api))
+
+
+def command(args: argparse.Namespace, make_api: Callable[[str], Any] | None) -> None:
+    """One subcommand; a failure (a NO-GO verdict too) raises, so main ends it in one line like every script."""
     if args.command == "plan":
-        try:
-            p = plan(args.steps)
-        except recipe.ConfigError as error:
-            print(f"smoke_report: {error}", file=sys.stderr)
-            return 2
+        p = plan(args.steps)
         print(p["deadline_s"] if args.deadline else plan_knobs(args.steps) if args.knobs
               else json.dumps(p, indent=1) if args.json else render_plan(p))
-        return 0
-    try:
-        repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO")
-        token = recipe.require_token()
-    except recipe.ConfigError as error:
-        print(f"smoke_report: {error}", file=sys.stderr)
-        return 2
+        return
+    repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO")
+    token = recipe.require_token()
     if make_api is None:
         from huggingface_hub import HfApi
 
@@ -610,15 +608,11 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
             return HfApi(token=tok)
 
     api = make_api(token)
+    steps = int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS)  # run_job.sh exports the smoke's MAX_STEPS
     if args.command == "clear":
-        try:
-            cap = plan(int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS))["cap_s"]
-            print(f"smoke_report: cleared {clear(api, repo_id, cap)} files of the previous smoke run from {repo_id}")
-        except (recipe.ConfigError, adapter_repo.PushError) as error:
-            print(f"smoke_report: {error}", file=sys.stderr)
-            return 2
-        return 0
-    steps = int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS)
+        cap = plan(steps)["cap_s"]
+        print(f"smoke_report: cleared {clear(api, repo_id, cap)} files of the previous smoke run from {repo_id}")
+        return
     report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(steps),
                      openenv_dir=args.work_dir / "OpenEnv")
     recipe.write_json(args.work_dir / REPORT_PATH, report, indent=1, sort_keys=True)
@@ -627,9 +621,9 @@ def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = 
         push(api, repo_id, report)
         print(f"smoke_report: {REPORT_PATH} pushed to {repo_id}")
     except adapter_repo.PushError as error:
-        print(f"smoke_report: {error}; the report is in {args.work_dir / REPORT_PATH}", file=sys.stderr)
-        return 1
-    return 0 if report["verdict"] == "GO" else 1
+        raise adapter_repo.Failure(f"{error}; the report is in {args.work_dir / REPORT_PATH}") from error
+    if report["verdict"] != "GO":
+        raise adapter_repo.Failure(f"NO-GO: see the report above ({REPORT_PATH} in {repo_id})")
 
 
 if __name__ == "__main__":

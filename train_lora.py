@@ -107,18 +107,12 @@ def _url(env: Mapping[str, str], name: str, default: str) -> str:
     return value.rstrip("/")
 
 
-def _sandbox(env: Mapping[str, str]) -> str:
-    from harbor.models.environment_type import EnvironmentType
-
-    return _choice(env, "SANDBOX", "hf-sandbox", tuple(e.value for e in EnvironmentType))
-
-
 def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool = True) -> Settings:
     """Read and validate the run's settings; a bad value raises ConfigError with one line saying the fix.
     The knobs run_job.sh also passes get recipe.knob's checks, the ones its preflight runs. Only a real run
     needs the token (`--dry-run` reads no secret)."""
     output_dir = env.get("OUTPUT_DIR", "").strip() or Settings.output_dir
-    sandbox = _sandbox(env)
+    sandbox = recipe.knob("SANDBOX", env)
     max_steps = recipe.knob("MAX_STEPS", env)
     capture_url = _url(env, "CAPTURE_URL", "")
     if capture_url and sandbox == "hf-sandbox" and urlparse(capture_url).hostname in ("127.0.0.1", "localhost"):
@@ -568,32 +562,31 @@ def resolved_config(settings: Settings) -> dict[str, Any]:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """Entry point: a failure ends in one line on stderr (DEBUG=1 prints the traceback first), as in every script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dry-run", action="store_true", help="print the resolved configuration as JSON and exit")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return adapter_repo.run_cli("train_lora.py", functools.partial(run, args.dry_run))
+
+
+def run(dry_run: bool) -> None:
+    """Check the versions and settings, then train (or print the settings); a rollout-guard stop raises its verdict."""
     started = time.time()
+    recipe.check_versions()
+    settings = settings_from_env(os.environ, need_token=not dry_run)
+    if dry_run:
+        print(json.dumps(resolved_config(settings), indent=2))
+        return
     try:
-        recipe.check_versions()
-        settings = settings_from_env(os.environ, need_token=not args.dry_run)
-        if args.dry_run:
-            print(json.dumps(resolved_config(settings), indent=2))
-            return 0
         train(settings)
-    except recipe.ConfigError as error:
-        print(f"train_lora.py: error: {error}", file=sys.stderr)
-        return 2
-    except adapter_repo.PushError as error:  # already one line; the job relaunch resumes from the last checkpoint
-        print(f"train_lora.py: error: {error}", file=sys.stderr)
-        return 1
-    except Exception:
+    except (recipe.ConfigError, adapter_repo.Failure):
+        raise  # already one line (a relaunch resumes from the last checkpoint)
+    except Exception as error:
         stopped = systematic_stop(settings, started)
-        if not stopped:
-            raise
-        logging.getLogger("train_lora").exception("training stopped")
-        print(f"train_lora.py: error: {stopped}", file=sys.stderr)
-        return 3
-    return 0
+        if stopped:  # TRL re-raises the guard's stop wrapped: its one-line verdict is the reason
+            raise adapter_repo.Failure(stopped) from error
+        raise
 
 
 def systematic_stop(settings: Settings, since: float) -> str | None:

@@ -31,6 +31,9 @@ def test_require_repo_id_accepts_owner_name(repo_id: str) -> None:
         ("you/na me", "not a valid repo id"),
         ("you/..", "not a valid repo id"),
         ("https://huggingface.co/you/repo", "not a valid repo id"),
+        # The Hub's own rules (huggingface_hub's validate_repo_id), which a looser check of ours once let through.
+        ("you/x--y", r"not a valid repo id \(the Hub's rule: Cannot have -- or \.\. in repo_id"),
+        ("you/x.git", r"not a valid repo id \(the Hub's rule: Repo_id cannot end by '\.git'"),
     ],
 )
 def test_require_repo_id_rejects_malformed(repo_id: str | None, fragment: str) -> None:
@@ -203,6 +206,60 @@ def test_recipe_env_cli_prints_checked_knobs_for_shell_scripts() -> None:
                          env={**env, "N_TASKS": "500"}, capture_output=True, text=True)
     assert bad.returncode != 0 and bad.stdout == ""
     assert bad.stderr == "N_TASKS=500 is out of range: use 1..250 (tasks in data/test.json)\n"
+
+
+# Knobs each fine alone that fail together (issue 26): refused by `recipe.py --env` (the job scripts' preflight) in one
+# line, before any GPU time.
+SAME_PORT = "give vLLM, the env server and the public gateway a port each"
+TOGETHER = {
+    "save after the last step": (
+        {"MAX_STEPS": "50", "SAVE_STEPS": "100"},
+        "SAVE_STEPS=100 is more than MAX_STEPS=50: the run would push no checkpoint before its end (nothing to resume "
+        "or watch); use SAVE_STEPS=50 or less"),
+    "watchdog never looks": (
+        {"WATCH_INTERVAL": "86400"},
+        "WATCH_INTERVAL=86400 is too long: the watchdog sees a stall or a dead server only at its checks; use at most "
+        f"{recipe.WATCH_INTERVAL_MAX_S} (seconds)"),
+    "watchdog slower than the stall limit": (
+        {"WATCH_INTERVAL": "120", "STALL_SECONDS": "60"},
+        "WATCH_INTERVAL=120 is too long: the watchdog sees a stall or a dead server only at its checks; use at most 60 "
+        "(seconds)"),
+    "two stall limits": (
+        {"STALL_SECONDS": "60", "STALL_MINUTES": "40"},
+        "STALL_SECONDS=60 and STALL_MINUTES=40 are both set, and STALL_SECONDS would win: set only one"),
+    "policy port is the env port": (
+        {"POLICY_PORT": str(recipe.ENV_PORT)}, f"POLICY_PORT and ENV_PORT are both {recipe.ENV_PORT}: {SAME_PORT}"),
+    "policy port is the public port": (
+        {"POLICY_PORT": "9000", "PUBLIC_PORT": "9000"}, f"POLICY_PORT and PUBLIC_PORT are both 9000: {SAME_PORT}"),
+    "space host with a path": (
+        {"SPACE_HOST": "https://abc--8000.hf.jobs/capture"},
+        "SPACE_HOST='https://abc--8000.hf.jobs/capture' is not a host name: use the job's public host, e.g. "
+        "SPACE_HOST=<job-id>--8000.hf.jobs (no path, no port)"),
+    "space host with a space": ({"SPACE_HOST": "abc 8000.hf.jobs"}, "SPACE_HOST='abc 8000.hf.jobs' is not a host name"),
+    "more eval rollouts than env sessions": (
+        {"EVAL_CONCURRENCY": str(recipe.ENV_MAX_SESSIONS + 1)},
+        f"EVAL_CONCURRENCY={recipe.ENV_MAX_SESSIONS + 1} is out of range: use 1..{recipe.ENV_MAX_SESSIONS} (the env "
+        "server's ENV_MAX_SESSIONS; rollouts past it would fail)"),
+}
+JOB_KNOB_NAMES = ["MAX_STEPS", "SAVE_STEPS", "STALL_MINUTES", "STALL_SECONDS", "WATCH_INTERVAL", "POLICY_PORT",
+                  "ENV_PORT", "PUBLIC_PORT", "SPACE_HOST", "EVAL_CONCURRENCY"]
+
+
+@pytest.mark.parametrize("case", list(TOGETHER))
+def test_knobs_that_fail_together_are_refused_in_one_line_by_the_preflight(case: str) -> None:
+    given, line = TOGETHER[case]
+    out = subprocess.run([sys.executable, "recipe.py", "--env", *JOB_KNOB_NAMES], cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", **given}, capture_output=True, text=True)
+    assert out.returncode != 0 and out.stdout == ""
+    assert out.stderr.startswith(line) and out.stderr.count("\n") == 1, out.stderr
+
+
+def test_space_host_is_kept_as_a_bare_host_and_a_sane_combination_passes() -> None:
+    env = {"PATH": "/usr/bin:/bin", "SPACE_HOST": "https://68abc--8000.hf.jobs/", "MAX_STEPS": "50",
+           "SAVE_STEPS": "50", "STALL_MINUTES": "1", "WATCH_INTERVAL": "60", "EVAL_CONCURRENCY": "64"}
+    out = subprocess.run([sys.executable, "recipe.py", "--env", *JOB_KNOB_NAMES], cwd=ROOT, env=env,
+                         capture_output=True, text=True, check=True).stdout.splitlines()
+    assert "SPACE_HOST=68abc--8000.hf.jobs" in out and "SAVE_STEPS=50" in out and "STALL_SECONDS=60" in out
 
 
 # Values that once crashed `--help` with a raw ValueError, and others each entry point reads.

@@ -214,18 +214,6 @@ def test_stored_login_token_is_used_when_hf_token_is_unset(capsys, bundle):
     assert rc == 0 and json.loads(out)["job"]["secrets"] == {"HF_TOKEN": launch.REDACTED}
 
 
-def test_sandbox_backend_key_travels_as_a_redacted_secret(capsys, monkeypatch, bundle, tmp_path):
-    env = base_env(SANDBOX="daytona", DAYTONA_API_KEY=SANDBOX_CANARY)
-    rc, out, _ = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], env)
-    job = json.loads(out)["job"]
-    assert rc == 0 and job["env"]["SANDBOX"] == "daytona"
-    assert job["secrets"] == {"HF_TOKEN": launch.REDACTED, "DAYTONA_API_KEY": launch.REDACTED}
-    monkeypatch.setattr(huggingface_hub, "__version__", "2.4.0")
-    hub = RecordingHub(tmp_path / "hub")
-    rc, _, _ = run_main(capsys, ["train", "--bundle-dir", str(bundle)], env, lambda t: hub)
-    assert rc == 0 and hub.jobs[0]["secrets"] == {"HF_TOKEN": CANARY, "DAYTONA_API_KEY": SANDBOX_CANARY}
-
-
 def test_flags_override_environment(capsys, bundle):
     argv = ["train", "--dry-run", "--bundle-dir", str(bundle), "--max-steps", "300", "--code-repo", "org/code",
             "--adapter-repo", "org/adapter"]
@@ -251,7 +239,8 @@ def test_dry_run_shows_the_reporter_and_dashboard_and_each_can_be_changed(capsys
     assert (plan["job"]["env"]["REPORT_TO"], plan["job"]["env"]["DASHBOARD_SPACE"]) == ("none", "org/board")
     rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--report-to", "wandb"],
                             base_env())
-    assert rc == 2 and out == "" and err == "launch.py: REPORT_TO='wandb' is not one of trackio, tensorboard, none\n"
+    assert rc == 2 and out == "" and err == ("launch.py: REPORT_TO='wandb' is not offered (the job installs Trackio "
+                                             "and no other dashboard): use REPORT_TO=trackio (or none)\n")
 
 
 # --- preflight failures, one by one -----------------------------------------------------------------------
@@ -326,8 +315,25 @@ PREFLIGHT = {
     "steps beyond tasks": ("train", _env(MAX_STEPS="1001"), "MAX_STEPS=1001 is out of range: use 1..1000"),
     "n_tasks beyond test": ("eval-watch", _env(N_TASKS="251"), "N_TASKS=251 is out of range: use 1..250"),
     "bad checkpoint": ("eval", _env(CHECKPOINT="ckpt-5"), "CHECKPOINT='ckpt-5' is not a checkpoint name"),
-    "unknown sandbox": ("train", _env(SANDBOX="modal"), "SANDBOX='modal' is unknown"),
-    "sandbox key missing": ("smoke", _env(SANDBOX="e2b"), "SANDBOX=e2b needs E2B_API_KEY"),
+    "unknown sandbox": ("train", _env(SANDBOX="modal"), "SANDBOX='modal' is not offered"),
+    # Issue 26: each of these launched a paid job that could not succeed.
+    "repo id with --": ("eval-watch", _env(ADAPTER_REPO="alice/x--y"),
+                        "ADAPTER_REPO='alice/x--y' is not a valid repo id (the Hub's rule: Cannot have -- or .."),
+    "repo id ending .git": ("smoke", _env(ADAPTER_REPO="alice/x.git"),
+                            "ADAPTER_REPO='alice/x.git' is not a valid repo id (the Hub's rule: Repo_id cannot end"),
+    "tensorboard": ("train", _env(REPORT_TO="tensorboard"),
+                    "REPORT_TO='tensorboard' is not offered (the job installs Trackio and no other dashboard): use "
+                    "REPORT_TO=trackio (or none)"),
+    "daytona with its key": ("train", _env(SANDBOX="daytona", DAYTONA_API_KEY=SANDBOX_CANARY),
+                             "SANDBOX='daytona' is not offered (the job installs and checks only harbor[hf-sandbox]): "
+                             "use SANDBOX=hf-sandbox"),
+    "e2b with its key": ("eval-watch", _env(SANDBOX="e2b", E2B_API_KEY=SANDBOX_CANARY), "SANDBOX='e2b' is not offered"),
+    "save steps past max steps": ("train", _env(MAX_STEPS="50", SAVE_STEPS="100"),
+                                  "SAVE_STEPS=100 is more than MAX_STEPS=50: the run would push no checkpoint"),
+    "stall limit under the watch interval": ("smoke", _env(STALL_MINUTES="0.1"),
+                                             "WATCH_INTERVAL=30 is too long: the watchdog sees a stall"),
+    "eval concurrency past env sessions": ("eval", _env(EVAL_CONCURRENCY="65"),
+                                           "EVAL_CONCURRENCY=65 is out of range: use 1..64"),
     "bundle dir missing": ("train", lambda b, e: shutil.rmtree(b), "is not a folder: point --bundle-dir"),
     "smoke suffix too long": ("smoke", _env(ADAPTER_REPO="alice/" + "n" * 96),
                               "cannot take the '-smoke' suffix the smoke run pushes to"),
@@ -421,6 +427,24 @@ def test_train_refuses_a_repo_holding_a_finished_run(capsys, monkeypatch, bundle
     # A finished run whose final eval crashed is evaluated, not deleted: the message points there.
     assert f"launch.py eval --adapter-repo {ADAPTER}" in err and "delete" not in err
     assert len(hub.jobs) == 1  # the second launch started nothing
+
+
+@pytest.mark.parametrize("smoke", [False, True], ids=["watch", "watch-smoke"])
+def test_eval_watch_says_when_its_repo_does_not_exist_yet_and_what_the_watcher_will_do(capsys, monkeypatch, bundle,
+                                                                                        tmp_path, smoke):
+    hub = RecordingHub(tmp_path / "hub")
+    repo, hours = (ADAPTER + "-smoke", "2") if smoke else (ADAPTER, "6")
+    argv = ["eval-watch", *(["--smoke"] if smoke else [])]
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, argv)
+    assert rc == 0 and len(hub.jobs) == 1  # a watcher may rightly start before its training job creates the repo
+    [note] = [line for line in err.splitlines() if line.startswith("launch.py: note: ")]
+    assert note == (f"launch.py: note: {repo} does not exist yet: the watcher waits for a job to create it, checking "
+                    f"every {recipe.EVAL_POLL_SECONDS // 60} min, and fails after MAX_IDLE_HOURS={hours} h (the GPU is "
+                    "billed meanwhile); launch the training job for this repo too (it creates the repo when it "
+                    "starts), or fix the name and relaunch")
+    hub.create_repo(repo)
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, argv)
+    assert rc == 0 and "note:" not in err and len(hub.jobs) == 2
 
 
 def test_smoke_dry_run_shows_the_stage_budget(capsys, bundle):
@@ -581,7 +605,13 @@ SHARED = [("train", "run_job.sh", "MAX_STEPS", "1001"), ("train", "run_job.sh", 
           ("train", "run_job.sh", "FINAL_EVAL", "maybe"), ("train", "run_job.sh", "RESUME", "later"),
           ("train", "run_job.sh", "DRY_RUN", "maybe"), ("eval", "run_eval.sh", "CHECKPOINT", "checkpoint-0"),
           ("eval", "run_eval.sh", "EVAL_CONCURRENCY", "0"), ("eval-watch", "run_eval_watch.sh", "N_TASKS", "500"),
-          ("eval-watch", "run_eval_watch.sh", "MAX_IDLE_HOURS", "six")]
+          ("eval-watch", "run_eval_watch.sh", "MAX_IDLE_HOURS", "six"),
+          # Issue 26: the job scripts refuse these as the launcher does, when a job is started directly.
+          ("eval-watch", "run_eval_watch.sh", "ADAPTER_REPO", "alice/x--y"),
+          ("train", "run_job.sh", "ADAPTER_REPO", "alice/x.git"), ("train", "run_job.sh", "REPORT_TO", "tensorboard"),
+          ("eval", "run_eval.sh", "REPORT_TO", "tensorboard"), ("train", "run_job.sh", "SANDBOX", "daytona"),
+          ("eval", "run_eval.sh", "SANDBOX", "e2b"), ("train", "run_job.sh", "SAVE_STEPS", "2000"),
+          ("train", "run_job.sh", "STALL_MINUTES", "0.1"), ("eval", "run_eval.sh", "EVAL_CONCURRENCY", "65")]
 
 
 @pytest.mark.parametrize(("mode", "script", "var", "value"), SHARED, ids=[f"{s}-{v}" for _, s, v, _ in SHARED])

@@ -142,6 +142,7 @@ def test_dry_run_prints_ordered_plan_and_starts_nothing(job):
     assert vllm[vllm.index("--generation-config") + 1] == "vllm"
     trainer = next(c for c in commands if c[-1].endswith("train_lora.py"))
     assert f"CUDA_VISIBLE_DEVICES={recipe.TRAINER_GPU}" in trainer and "MAX_STEPS=20" in trainer
+    assert "DEBUG=1" in trainer  # a crash hours in keeps its traceback in the log, above the one-line reason
     assert "CAPTURE_URL=https://job123--{}.hf.jobs/capture".format(job["ports"]["PUBLIC_PORT"]) in trainer
     server = next(c for c in commands if "harbor" in c)
     assert server[server.index("--host") + 1] == "127.0.0.1"
@@ -441,9 +442,20 @@ def test_vllm_api_server_not_importing_stops_job(job):
         ({"HF_TOKEN": ""}, "HF_TOKEN is not set"),
         ({"ADAPTER_REPO": ""}, "ADAPTER_REPO is not set"),
         ({"ADAPTER_REPO": "not a repo"}, "ADAPTER_REPO='not a repo' is not a valid repo id"),
-        ({"SANDBOX": "modal"}, "unknown SANDBOX=modal"),
-        ({"SANDBOX": "daytona"}, "SANDBOX=daytona needs DAYTONA_API_KEY"),
-        ({"SANDBOX": "e2b"}, "SANDBOX=e2b needs E2B_API_KEY"),
+        ({"SANDBOX": "modal"}, "SANDBOX='modal' is not offered"),
+        # Issue 26: each started a paid job that could not succeed.
+        ({"SANDBOX": "daytona", "DAYTONA_API_KEY": "dtn_x"},
+         "SANDBOX='daytona' is not offered (the job installs and checks only harbor[hf-sandbox]): use SANDBOX="),
+        ({"SANDBOX": "e2b", "E2B_API_KEY": "e2b_x"}, "SANDBOX='e2b' is not offered"),
+        ({"REPORT_TO": "tensorboard"}, "REPORT_TO='tensorboard' is not offered (the job installs Trackio and no other "
+                                       "dashboard): use REPORT_TO=trackio (or none)"),
+        ({"ADAPTER_REPO": "you/x--y"}, "ADAPTER_REPO='you/x--y' is not a valid repo id (the Hub's rule"),
+        ({"MAX_STEPS": "3", "SAVE_STEPS": "5"}, "SAVE_STEPS=5 is more than MAX_STEPS=3"),
+        ({"WATCH_INTERVAL": "3600", "STALL_SECONDS": ""}, "WATCH_INTERVAL=3600 is too long"),
+        ({"STALL_MINUTES": "40"}, "STALL_SECONDS=30 and STALL_MINUTES=40 are both set"),
+        ({"POLICY_PORT": "8001", "ENV_PORT": "8001"}, "POLICY_PORT and ENV_PORT are both 8001"),
+        ({"SPACE_HOST": "https://job123--8000.hf.jobs/capture"}, "SPACE_HOST='https://job123--8000.hf.jobs/capture' "
+                                                                  "is not a host name"),
         ({"STUB_GPUS": "0"}, "GPU 1 not found (nvidia-smi lists: 0)"),
         ({"JOB_ID": ""}, "cannot derive the job's public host: set SPACE_HOST="),
         ({"MAX_STEPS": "0"}, "MAX_STEPS=0 is out of range: use 1..1000"),

@@ -153,9 +153,9 @@ def test_policy_execs_vllm_on_its_gpu(tmp_path):
         ({"DATASETS": ""}, "DATASETS is not set"),
         ({"SPACE_HOST": ""}, "SPACE_HOST is not set"),
         ({"HF_TOKEN": ""}, "SANDBOX=hf-sandbox needs HF_TOKEN"),
-        ({"SANDBOX": "modal"}, "unknown SANDBOX=modal: use hf-sandbox (default), daytona or e2b"),
-        ({"SANDBOX": "daytona"}, "SANDBOX=daytona needs DAYTONA_API_KEY"),
-        ({"SANDBOX": "e2b"}, "SANDBOX=e2b needs E2B_API_KEY"),
+        ({"SANDBOX": "modal"}, "SANDBOX='modal' is not offered"),
+        ({"SANDBOX": "daytona", "DAYTONA_API_KEY": "dtn_x"}, "SANDBOX='daytona' is not offered"),
+        ({"SPACE_HOST": "job--8000.hf.jobs/capture"}, "SPACE_HOST='job--8000.hf.jobs/capture' is not a host name"),
         ({"ENV_HOST": "0.0.0.0"}, "would expose the env server's task API"),
         ({"ENV_HOST": "0.0.0.0", "ALLOW_NON_LOOPBACK": "2"}, "ALLOW_NON_LOOPBACK='2' is not a yes/no value"),
         ({"DRY_RUN": "perhaps"}, "DRY_RUN='perhaps' is not a yes/no value"),
@@ -183,7 +183,7 @@ def test_env_allows_another_host_with_any_yes_spelling(tmp_path):
 
 def test_env_plan_keeps_task_api_on_loopback_and_never_prints_secrets(tmp_path):
     env = bash_env(tmp_path, DRY_RUN="1", DATASETS="/t/train", SPACE_HOST="https://job--8000.hf.jobs/",
-                   SANDBOX="daytona", DAYTONA_API_KEY="dtn_secret_value")
+                   HF_TOKEN="hf_secret_value")
     out = run("serve_env.sh", env)
     assert out.returncode == 0, out.stderr
     server, gateway = [shlex.split(line[4:]) for line in out.stdout.splitlines() if line.startswith("  $ ")]
@@ -304,6 +304,96 @@ def test_public_port_forwards_capture_data_plane(job_ports):
     assert json.loads(text)["n_turns"] == 2
     status, text = request(public_port, "POST", "/capture/v1/chat/completions", chat, {"x-api-key": "unknown"})
     assert status == 401 and "unknown API key" in text
+
+
+def answer_to_head(port: int, head: str, timeout: float = 10) -> tuple[int, str]:
+    """Send only a request's head over a raw socket (none of the body it announces) and read the answer: the status
+    and body of a reply that comes without the gateway waiting for that body."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(head.encode())
+        data = b""
+        while b"\r\n\r\n" not in data or len(data.split(b"\r\n\r\n", 1)[1]) < int(
+                next(line.split(b":", 1)[1] for line in data.split(b"\r\n\r\n", 1)[0].split(b"\r\n")
+                     if line.lower().startswith(b"content-length:"))):
+            chunk = sock.recv(65536)  # a gateway that reads the whole body first never answers: socket.timeout
+            if not chunk:
+                break
+            data += chunk
+    status_line, _, rest = data.partition(b"\r\n")
+    return int(status_line.split()[1]), rest.split(b"\r\n\r\n", 1)[1].decode()
+
+
+def test_public_port_refuses_a_request_without_a_session_key_before_reading_its_body(job_ports):
+    """Issue 26, item 15: an unauthenticated caller announcing a 100 MB body is answered at once, body unread."""
+    _, public_port, _ = job_ports
+    head = ("POST /capture/v1/chat/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\n"
+            "content-length: 100000000\r\n\r\n")
+    status, text = answer_to_head(public_port, head)
+    assert status == 401 and "no capture session key: send the session as x-api-key" in text
+
+
+def test_public_port_refuses_a_body_over_the_cap_before_reading_it(job_ports):
+    _, public_port, _ = job_ports
+    head = ("POST /capture/v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: gw-session-cap\r\n"
+            f"content-type: application/json\r\ncontent-length: {recipe.CAPTURE_MAX_BODY_BYTES + 1}\r\n\r\n")
+    status, text = answer_to_head(public_port, head)
+    assert status == 413 and f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes" in text
+
+
+def test_public_port_passes_a_long_multi_turn_agent_request(job_ports):
+    """The cap leaves room for OpenCode's longest real requests: a conversation that fills the model's whole context
+    (MAX_MODEL_LEN tokens at ~4 bytes each, the last tool output in \\u-escaped text) passes to the capture proxy."""
+    env_port, public_port, _ = job_ports
+    session = "gw-session-long"
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    assert request(env_port, "POST", "/capture/sessions", {"session_id": session}, admin)[0] == 200
+    turn = "x" * (recipe.MAX_MODEL_LEN * 4 // 64)
+    messages = [{"role": "system", "content": "You are OpenCode. " * 500}]
+    for i in range(32):
+        messages += [{"role": "user" if i == 0 else "tool", "content": turn, "tool_call_id": f"call_{i}"},
+                     {"role": "assistant", "content": "", "tool_calls": [
+                         {"id": f"call_{i + 1}", "type": "function",
+                          "function": {"name": "bash", "arguments": json.dumps({"command": "cat data.csv"})}}]}]
+    messages.append({"role": "tool", "content": "\u00e9" * recipe.MAX_MODEL_LEN, "tool_call_id": "call_33"})
+    chat = {"model": "LFM2.5-2.6B", "messages": messages, "max_tokens": 16}
+    assert len(json.dumps(chat).encode()) > recipe.MAX_MODEL_LEN * 4  # what a full context is at least
+    status, text = request(public_port, "POST", "/capture/v1/chat/completions", chat, {"x-api-key": session})
+    assert status == 200, text[:300]
+
+
+@pytest.mark.parametrize("headers", [
+    {"authorization": "Bearer s-1"}, {"x-api-key": "s-1"}, {"x-goog-api-key": "s-1"},
+    {"authorization": "Bearer s-1", "x-api-key": "s-2"}, {"Authorization": "Basic abc", "x-api-key": "s-2"},
+    {"authorization": "Basic abc"}, {}, {"x-api-key": ""},
+])
+def test_gateway_finds_the_session_key_where_the_capture_proxy_does(headers):
+    from openenv.core.harness.capture.sessions import extract_api_key
+    from starlette.datastructures import Headers
+
+    import capture_gateway
+
+    assert capture_gateway.session_key(Headers(headers)) == (extract_api_key(headers) or None)
+
+
+def test_gateway_refuses_a_chunked_body_over_the_cap_while_reading_it():
+    """No Content-Length to go by: the gateway stops reading past the cap and forwards nothing (its upstream here is a
+    closed port: a forwarded request would be a 502)."""
+    from starlette.testclient import TestClient
+
+    import capture_gateway
+    from tests.offline import closed_url
+
+    chunk = b"x" * 65536
+
+    def body():
+        for _ in range(recipe.CAPTURE_MAX_BODY_BYTES // len(chunk) + 1):
+            yield chunk
+
+    with TestClient(capture_gateway.create_app(closed_url())) as client:
+        reply = client.post("/capture/v1/chat/completions", content=body(), headers={"x-api-key": "s-1"})
+        assert reply.status_code == 413 and "request body over" in reply.text
+        reply = client.post("/capture/v1/chat/completions", content=b"{}", headers={"x-api-key": "s-1"})
+        assert reply.status_code == 502  # under the cap it is forwarded (and the closed upstream refuses it)
 
 
 @pytest.mark.parametrize(

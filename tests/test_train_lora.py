@@ -154,13 +154,14 @@ def test_dashboard_names_come_from_the_adapter_repo_and_the_job():
     ({"MAX_STEPS": "1001"}, "MAX_STEPS=1001 is out of range: use 1..1000 (one training task per step)"),
     ({"SAVE_STEPS": "0"}, "SAVE_STEPS=0 is out of range"),
     ({"WEIGHT_SYNC": "lora"}, "WEIGHT_SYNC='lora' is not one of merge_free, stock"),
-    ({"SANDBOX": "hf_sandbox"}, "SANDBOX='hf_sandbox' is not one of"),
+    ({"SANDBOX": "hf_sandbox"}, "SANDBOX='hf_sandbox' is not offered"),
+    ({"SANDBOX": "daytona"}, "SANDBOX='daytona' is not offered (the job installs and checks only harbor"),
     ({"RESUME": "maybe"}, "RESUME='maybe' is not a yes/no value"),
     ({"VLLM_URL": "localhost:8100"}, "VLLM_URL='localhost:8100' is not an http(s) URL"),
     ({"CAPTURE_URL": "http://127.0.0.1:8000/capture"}, "is loopback, but SANDBOX=hf-sandbox"),
     ({"DEVICE": "tpu"}, "DEVICE='tpu' is not one of cuda, cpu"),
-    ({"REPORT_TO": "wandb"}, "REPORT_TO='wandb' is not one of trackio, tensorboard, none"),
-    ({"REPORT_TO": "tensorboard"}, "REPORT_TO=tensorboard: pip install tensorboard first"),  # not installed here
+    ({"REPORT_TO": "wandb"}, "REPORT_TO='wandb' is not offered (the job installs Trackio and no other dashboard)"),
+    ({"REPORT_TO": "tensorboard"}, "REPORT_TO='tensorboard' is not offered"),
     ({"STOP_AFTER_STEP": "5", "MAX_STEPS": "5"}, "STOP_AFTER_STEP=5 must be 0 (off) or a step below MAX_STEPS=5"),
     ({"STOP_AFTER_STEP": "two"}, "STOP_AFTER_STEP='two' is not a whole number"),
 ])
@@ -172,6 +173,36 @@ def test_bad_input_is_one_clear_line_and_exit_2(env, message, monkeypatch, capsy
     captured = capsys.readouterr()
     assert captured.out == ""
     assert captured.err.count("\n") == 1 and message in captured.err and TOKEN not in captured.err
+
+
+UNEXPECTED = "rerun with DEBUG=1 for the full traceback, and report it if the cause is not yours to fix"
+
+
+@pytest.mark.parametrize("debug", ["", "1"], ids=["plain", "debug"])
+def test_an_early_failure_that_is_not_bad_input_ends_in_its_own_one_line(monkeypatch, capsys, tmp_path, debug):
+    """Issue 26, item 11: an import error before the settings existed ended in "UnboundLocalError: ... 'settings'",
+    which run_job.sh then quoted as the reason. It ends as every entry point's failure does (adapter_repo.run_cli)."""
+    def missing_trl(*_: object) -> None:
+        raise ModuleNotFoundError("No module named 'trl'")
+
+    monkeypatch.setattr(recipe, "check_versions", missing_trl)
+    monkeypatch.setattr(os, "environ", {**BASE_ENV, "DEBUG": debug, "HEARTBEAT_FILE": str(tmp_path / "heartbeat")})
+    assert train_lora.main([]) == 1
+    err = capsys.readouterr().err
+    assert "UnboundLocalError" not in err and TOKEN not in err
+    assert err.splitlines()[-1] == f"train_lora.py: unexpected ModuleNotFoundError: No module named 'trl': {UNEXPECTED}"
+    assert err.startswith("Traceback") if debug else err.count("\n") == 1
+
+
+def test_a_training_crash_ends_in_one_line_naming_it(monkeypatch, capsys, tmp_path):
+    def crash(settings: object, **_: object) -> None:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore detail")
+
+    monkeypatch.setattr(train_lora, "train", crash)
+    monkeypatch.setattr(os, "environ", {**BASE_ENV, "HEARTBEAT_FILE": str(tmp_path / "heartbeat")})
+    assert train_lora.main([]) == 1
+    assert capsys.readouterr().err == ("train_lora.py: unexpected RuntimeError: CUDA error: an illegal memory access "
+                                       f"was encountered: {UNEXPECTED}\n")
 
 
 def test_dry_run_needs_no_token_but_a_real_run_does(monkeypatch, capsys):
@@ -323,11 +354,11 @@ def test_session_factory_is_a_picklable_partial_of_harbor(monkeypatch, tmp_path)
         "class HarborSessionFactory:\n    def __init__(self, server_url, **kwargs):\n"
         "        self.server_url, self.kwargs = server_url, kwargs\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    settings = train_lora.settings_from_env({**BASE_ENV, "ENV_URL": "http://127.0.0.1:9001", "SANDBOX": "daytona"})
+    settings = train_lora.settings_from_env({**BASE_ENV, "ENV_URL": "http://127.0.0.1:9001", "SANDBOX": "hf-sandbox"})
     factory = pickle.loads(pickle.dumps(train_lora.session_factory(settings)))
     built = factory(sampling={"temperature": 1.0})
     assert built.server_url == "http://127.0.0.1:9001"
-    assert built.kwargs["harness"] == "opencode" and built.kwargs["sandbox"] == "daytona"
+    assert built.kwargs["harness"] == "opencode" and built.kwargs["sandbox"] == "hf-sandbox"
     assert built.kwargs["llm_url"] == settings.vllm_url and built.kwargs["model"] == recipe.SERVED_MODEL_NAME
     # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.
     assert built.kwargs["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
