@@ -433,7 +433,9 @@ def test_train_refuses_a_repo_holding_a_finished_run(capsys, monkeypatch, bundle
 def test_eval_watch_says_when_its_repo_does_not_exist_yet_and_what_the_watcher_will_do(capsys, monkeypatch, bundle,
                                                                                         tmp_path, smoke):
     hub = RecordingHub(tmp_path / "hub")
-    repo, hours = (ADAPTER + "-smoke", "2") if smoke else (ADAPTER, "6")
+    # The smoke watcher idles at most the smoke job's cap (its plan's worst case); the real one, MAX_IDLE_HOURS.
+    hours = recipe.shell_value(smoke_report.plan()["cap_s"] / 3600 if smoke else recipe.MAX_IDLE_HOURS)
+    repo = ADAPTER + "-smoke" if smoke else ADAPTER
     argv = ["eval-watch", *(["--smoke"] if smoke else [])]
     rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, argv)
     assert rc == 0 and len(hub.jobs) == 1  # a watcher may rightly start before its training job creates the repo

@@ -370,12 +370,13 @@ def test_a_resume_position_behind_what_the_first_start_consumed_is_no_go(hub, tm
 
 def test_an_unexpected_failure_of_the_report_ends_in_one_line(hub, tmp_path, monkeypatch, capsys):
     """Issue 26, item 11: every entry point ends a failure the same way (adapter_repo.run_cli): here a work folder
-    that is not there (the job died before making it) used to end the report in a traceback."""
+    that cannot be written (here a file where the job's WORK_DIR should be) used to end the report in a traceback."""
     monkeypatch.setenv("ADAPTER_REPO", REPO)
     monkeypatch.setenv("HF_TOKEN", "hf_test_placeholder")
     monkeypatch.delenv("DEBUG", raising=False)
-    rc = smoke_report.main(["report", "--work-dir", str(tmp_path / "missing"), "--stages", str(tmp_path / "stages")],
-                           make_api=lambda _: hub)
+    (tmp_path / "not-a-folder").write_text("")
+    rc = smoke_report.main(["report", "--work-dir", str(tmp_path / "not-a-folder"), "--stages",
+                            str(tmp_path / "stages")], make_api=lambda _: hub)
     err = capsys.readouterr().err
     assert rc == 1 and err.count("\n") == 1 and "Traceback" not in err
-    assert err.startswith("smoke_report: unexpected FileNotFoundError: ") and "rerun with DEBUG=1" in err
+    assert err.startswith("smoke_report: unexpected FileExistsError: ") and "rerun with DEBUG=1" in err
