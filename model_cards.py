@@ -83,7 +83,10 @@ def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
                  f"`{', '.join(r.LORA_TARGET_MODULES)}` (short-conv projections left out)"),
         ("Optimizer steps", f"{steps if steps is not None else 'not recorded (no checkpoint in the source)'}; "
                             f"this adapter: `{checkpoint}`"),
-        ("GRPO group", f"{r.NUM_GENERATIONS} rollouts of one task per optimizer step"),
+        ("GRPO group", f"{r.NUM_GENERATIONS} rollouts of one task, scored against each other"),
+        ("Optimizer step", f"{r.NUM_GENERATIONS} training rows: one GRPO group of {r.NUM_GENERATIONS} rollouts only "
+                           "when each rollout is one row (the run's `rollout/samples_per_rollout` = 1); a rollout "
+                           "whose capture forked is several rows, so its step trains part of a group"),
         ("Learning rate", f"{r.LEARNING_RATE:g}"),
         ("Sampling", f"temperature {r.TEMPERATURE}, top_p {r.TOP_P}, top_k {r.TOP_K} (disabled): full vocabulary"),
         ("Output cap", f"{r.MAX_TOKENS} tokens per model call, same in training and eval"),

@@ -107,6 +107,13 @@ AGENT_TIMEOUT_SEC = 1500
 
 # --- Optimisation ------------------------------------------------------------
 LEARNING_RATE = 1e-6
+# What a step trains: NUM_GENERATIONS training rows (train_lora.conv_safe_batching), and TRL 1.15 counts rows, not
+# rollouts. A rollout is one row while every turn's prompt extends the previous turn's tokens; a forked capture
+# (rollout/fork_frac > 0) is several rows and an unscorable rollout none, so a step is exactly one task's group only
+# at rollout/samples_per_rollout 1.0. chat_template.py removes the template's drift; what remains (vLLM's lfm2 parser
+# strips text around a tool call and re-orders it, quotes the model did not write, non-canonical tokenizations)
+# forks. So MAX_STEPS bounds rows: 1000 steps = 8000 rows = 1000 / samples_per_rollout groups (500 tasks at 2.0),
+# the hours per step (step budget) are per 8 rows, and the card's step count is rows / 8, not tasks seen.
 MAX_STEPS = 1000
 # Smoke run (launch.py smoke, run_job.sh MODE=smoke): every stage of the real job at small scale. The recipe's own
 # "MAX_STEPS=20 gives a ~40-min smoke run — do that first"; more than MAX_STALENESS, so the rollout queue runs ahead
@@ -115,7 +122,7 @@ MAX_STEPS = 1000
 # stage budget below (smoke_report.plan).
 SMOKE_STEPS = 20
 SMOKE_MIN_STEPS = 2
-NUM_GENERATIONS = 8  # One GRPO group of 8 rollouts = one task per step.
+NUM_GENERATIONS = 8  # One GRPO group: 8 rollouts of one task, one advantage baseline (a step: see MAX_STEPS).
 MAX_STALENESS = 4
 # Rollouts in flight at once, one HF Sandbox each (train_lora gives TRL's worker this number).
 MAX_INFLIGHT_ROLLOUTS = 32

@@ -21,9 +21,12 @@
 #   MAX_LORAS=1              adapters resident at once in LoRA mode.
 #   LORA_MODULES=            LoRA mode only: "name=path_or_repo" adapters to load at start (--lora-modules).
 #   VLLM=vllm                the vllm executable.
+#   CHAT_TEMPLATE=$LOG_DIR/chat_template.jinja   where chat_template.py writes the template vLLM is given.
 # Always on: --return-tokens-as-token-ids --logprobs-mode processed_logprobs (token-faithful capture),
 # --enable-auto-tool-choice --tool-call-parser lfm2 (OpenCode always sends tool_choice="auto"; without them
-# every call is a 400), --generation-config vllm (the model's generation_config cannot narrow sampling).
+# every call is a 400), --generation-config vllm (the model's generation_config cannot narrow sampling),
+# --chat-template (chat_template.py's checked template, the trainer's too: the model repo's own opens <think> in
+# the generation prompt, which forked every rollout into one training row per turn).
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -40,7 +43,8 @@ vllm_args() {
     --generation-config vllm \
     --return-tokens-as-token-ids \
     --logprobs-mode processed_logprobs \
-    --enable-auto-tool-choice --tool-call-parser lfm2
+    --enable-auto-tool-choice --tool-call-parser lfm2 \
+    --chat-template "$CHAT_TEMPLATE"
   if [ "$LORA" = "1" ]; then
     printf '%s\n' --enable-lora --max-lora-rank "$(recipe LORA_R)" --max-loras "$MAX_LORAS"
     [ -z "${LORA_MODULES:-}" ] || printf '%s\n' --lora-modules "$LORA_MODULES"
@@ -59,6 +63,7 @@ main() {
   GPU="${GPU:-$(recipe VLLM_GPU)}"
   HOST="${HOST:-$(recipe LOOPBACK)}"
   PORT="${PORT:-$(recipe VLLM_PORT)}"
+  CHAT_TEMPLATE="${CHAT_TEMPLATE:-$LOG_DIR/chat_template.jinja}"
   env_knobs LORA ALLOW_NON_LOOPBACK MAX_LORAS
   if [ "$HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
     die "HOST=$HOST would expose vLLM's unauthenticated endpoints: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1 on a private network"
@@ -69,7 +74,12 @@ main() {
   local -a env_vars cmd
   mapfile -t env_vars < <(vllm_env)
   mapfile -t cmd < <(vllm_args)
-  if dry_run; then show_cmd env "${env_vars[@]}" "${cmd[@]}"; return 0; fi
+  if dry_run; then
+    echo "  write the chat template vLLM serves: $PYTHON chat_template.py $CHAT_TEMPLATE"
+    show_cmd env "${env_vars[@]}" "${cmd[@]}"
+    return 0
+  fi
+  "$PYTHON" "$HERE/chat_template.py" "$CHAT_TEMPLATE" || exit 1  # it printed why, in one line
   log "serve_policy: vLLM on GPU $GPU at http://$HOST:$PORT ($([ "$LORA" = "1" ] && echo LoRA eval || echo training) mode)"
   exec env "${env_vars[@]}" "${cmd[@]}"
 }

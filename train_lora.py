@@ -315,12 +315,19 @@ def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset
 
 
 def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
-    """The model's tokenizer with TRL's LFM2.5 response template set (add_response_schema does not know it)."""
+    """The model's tokenizer with the chat template vLLM serves (chat_template.py) and TRL's LFM2.5 response template.
+
+    The template is the one serve_policy.sh hands vLLM, so the trainer, its checkpoints and vLLM render alike;
+    the response template is set directly because add_response_schema does not know the model repo's template.
+    """
     from transformers import AutoTokenizer
     from trl.chat_template_utils import lfm2_2_5_template
 
+    from chat_template import chat_template
+
     revision = None if Path(settings.model).is_dir() else settings.model_revision
     tokenizer = AutoTokenizer.from_pretrained(settings.model, revision=revision)
+    tokenizer.chat_template = chat_template()
     tokenizer.response_template = copy.deepcopy(lfm2_2_5_template)
     return tokenizer
 

@@ -136,7 +136,7 @@ def test_policy_execs_vllm_on_its_gpu(tmp_path):
     port = free_port()
     proc = start(["bash", str(ROOT / "serve_policy.sh")], env=bash_env(tmp_path, PORT=str(port), GPU="1"))
     try:
-        wait_http(f"http://127.0.0.1:{port}/health", proc)
+        wait_http(f"http://127.0.0.1:{port}/health", proc, timeout=120)  # after chat_template.py writes the template
         line = (tmp_path / "stub.log").read_text()
         assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in line
         assert f"--host {recipe.LOOPBACK} --port {port}" in line

@@ -11,6 +11,7 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -39,7 +40,8 @@ def vllm_cpu(request: dict) -> object:
 def vllm_argvs(script: str, **env: str) -> list[list[str]]:
     """Every `vllm serve` command a script's DRY_RUN plan prints, as argv (environment assignments dropped)."""
     full = {k: v for k, v in os.environ.items() if k not in {"HF_TOKEN", "SANDBOX", "SPACE_HOST", "JOB_ID"}}
-    full.update(PATH=f"{STUBS / 'bin'}:{full['PATH']}", PYTHON=sys.executable, REAL_PYTHON=sys.executable, **env)
+    full.update(PATH=f"{STUBS / 'bin'}:{full['PATH']}", PYTHON=sys.executable, REAL_PYTHON=sys.executable,
+                LOG_DIR=tempfile.mkdtemp(prefix="vllm-plan-"), **env)
     out = subprocess.run(["bash", str(ROOT / script)], env=full, capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     argvs = []
@@ -51,6 +53,9 @@ def vllm_argvs(script: str, **env: str) -> list[list[str]]:
             words.pop(0)
         if words[:2] == ["vllm", "serve"]:
             argvs.append(words)
+            if "--chat-template" in words:  # written by serve_policy.sh before vLLM starts; a dry run writes nothing
+                template = words[words.index("--chat-template") + 1]
+                subprocess.run([sys.executable, str(ROOT / "chat_template.py"), template], check=True, timeout=120)
     return argvs
 
 
