@@ -42,7 +42,8 @@ COMPLETE_MARKER = "checkpoint_complete.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 # Left out of the final adapter at the root (training state stays in the checkpoints). Its README.md is the training
 # repo's model card (model_cards.training_card), written over the one PEFT saves.
-FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json", "rollout_state.json")
+FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json",
+                        recipe.ROLLOUT_STATE)
 EVAL_DIR = "eval"
 WATCH_DIR = f"{EVAL_DIR}/watch"
 WATCH_BASE_PATH = f"{WATCH_DIR}/base.json"

@@ -299,6 +299,12 @@ SMOKE_MAX_FORK = 0.05
 SMOKE_MAX_SETUP_S = ROLLOUT_CALL_LIMIT_S - AGENT_TIMEOUT_SEC
 
 # --- Files every script writes ------------------------------------------------
+# TRL 1.15's resume position in every checkpoint folder ({prompt_index, model_version}), and the key resume_position.py
+# adds to it: the offsets past prompt_index of the groups already consumed, which a resumed start skips.
+ROLLOUT_STATE = "rollout_state.json"
+CONSUMED_AHEAD = "consumed_ahead"
+
+
 def write_atomic(path: str | Path, text: str) -> None:
     """Write `text` so that a reader sees the old file or the new one, never half of one, and two writers in one
     folder never share a temporary name (the job's heartbeat folder has several)."""

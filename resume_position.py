@@ -31,10 +31,9 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
 
+from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
 from run_metrics import CountingRolloutLoop, RecipeRolloutWorker
 
-ROLLOUT_STATE = "rollout_state.json"  # TRL's file in each checkpoint folder
-CONSUMED_AHEAD = "consumed_ahead"  # our key in it: offsets past prompt_index of groups already consumed
 EMPTY_GROUPS_FILE = "empty_groups.json"  # in the output folder: groups of this start that scored to no sample
 
 

@@ -32,7 +32,6 @@ import recipe
 import rollout_guard
 
 REPORT_PATH = "smoke_report.json"
-ROLLOUT_STATE = "rollout_state.json"  # TRL 1.15 writes it into every checkpoint
 SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
 # TRL 1.15's per-step metrics the verdict reads (async_grpo_trainer.py): stale-dropped samples, trained samples and
 # trained groups, each counted since the previous logged step.
@@ -253,14 +252,15 @@ def verify_checkpoints(api: Any, repo_id: str, steps: Iterable[int], work: Path)
     found = []
     for step in steps:
         entry: dict[str, Any] = {"step": step, "verified": False, "files": 0, "bytes": 0, "error": None,
-                                 "prompt_index": None}
+                                 "prompt_index": None, "consumed_ahead": 0}
         try:
             local = adapter_repo.download_checkpoint(api, repo_id, step, work)
             files = [p for p in local.rglob("*") if p.is_file()]
             state = json.loads((local / "trainer_state.json").read_text())
             entry.update(files=len(files), bytes=sum(p.stat().st_size for p in files))
-            if (local / ROLLOUT_STATE).is_file():  # TRL's resume position: the next start's first prompt
-                entry["prompt_index"] = json.loads((local / ROLLOUT_STATE).read_text()).get("prompt_index")
+            if position := recipe.read_json(local / recipe.ROLLOUT_STATE):  # where the next start begins
+                entry["prompt_index"] = position.get("prompt_index")
+                entry["consumed_ahead"] = len(position.get(recipe.CONSUMED_AHEAD, []))
             if state.get("global_step") != step:
                 entry["error"] = f"trainer_state.json says step {state.get('global_step')}"
             else:
@@ -360,15 +360,17 @@ def limits(expect: dict[str, Any]) -> dict[str, float]:
 
 
 def resume_position(report: dict[str, Any], at: int) -> list[str]:
-    """The second start must begin past every group the first consumed (TRL's rollout_state.json in checkpoint-at)."""
+    """The second start must begin past every group the first consumed: checkpoint-`at`'s rollout_state.json skips the
+    groups below its prompt_index and those in its consumed_ahead (resume_position.py), at least as many as the first
+    start trained or dropped."""
     entry = next((c for c in report["checkpoints"] if c["step"] == at), None)
     index = entry and entry.get("prompt_index")
     need = report["resume"].get("consumed") or 0
     if index is None:
-        return [f"checkpoint-{at} has no {ROLLOUT_STATE} prompt_index: the resume position is unknown"]
-    if index < need:
-        return [f"resume position {index} (checkpoint-{at}'s {ROLLOUT_STATE}) is before the {need} groups the first "
-                "start consumed: a relaunch would train them again"]
+        return [f"checkpoint-{at} has no {recipe.ROLLOUT_STATE} prompt_index: the resume position is unknown"]
+    if (skipped := index + entry.get("consumed_ahead", 0)) < need:
+        return [f"resume position skips {skipped} groups (checkpoint-{at}'s {recipe.ROLLOUT_STATE}), fewer than the "
+                f"{need} the first start consumed: a relaunch would train them again"]
     return []
 
 

@@ -95,13 +95,14 @@ def test_a_bad_duration_is_one_clear_error():
 
 
 # --- the report ----------------------------------------------------------------------------------------------
-def push_checkpoint(hub: LocalHub, tmp: Path, step: int) -> None:
+def push_checkpoint(hub: LocalHub, tmp: Path, step: int, position: dict | None = None) -> None:
     folder = tmp / f"ckpt-{step}"
     folder.mkdir(parents=True)
     (folder / "adapter_model.safetensors").write_bytes(b"x" * (100 + step))
     (folder / "adapter_config.json").write_text("{}")
     (folder / "trainer_state.json").write_text(json.dumps({"global_step": step}))
-    (folder / smoke_report.ROLLOUT_STATE).write_text(json.dumps({"prompt_index": step, "model_version": step}))
+    position = {"prompt_index": step, "model_version": step} if position is None else position
+    (folder / recipe.ROLLOUT_STATE).write_text(json.dumps(position))
     adapter_repo.push_folder(hub, REPO, folder, adapter_repo.checkpoint_name(step), marker=True)
 
 
@@ -357,11 +358,14 @@ def test_each_pipeline_check_names_its_numbers(hub, tmp_path, change, reason):
 def test_a_resume_position_behind_what_the_first_start_consumed_is_no_go(hub, tmp_path):
     """TRL's rollout_state.json at the stop's checkpoint must point past every group the first start trained or
     dropped; a position stuck at a group that never trained (issue 29) re-trains from there on a relaunch."""
-    stuck = hub.root / REPO / "checkpoint-2" / smoke_report.ROLLOUT_STATE
+    stuck = hub.root / REPO / "checkpoint-2" / recipe.ROLLOUT_STATE
     stuck.write_text(json.dumps({"prompt_index": 0, "model_version": 2}))  # same size: its marker still holds
     report = report_for(hub, tmp_path)
-    assert report["reasons"] == ["resume position 0 (checkpoint-2's rollout_state.json) is before the 2 groups the "
-                                 "first start consumed: a relaunch would train them again"]
+    assert report["reasons"] == ["resume position skips 0 groups (checkpoint-2's rollout_state.json), fewer than the "
+                                 "2 the first start consumed: a relaunch would train them again"]
+    # resume_position.py's form: group 0 was in flight at the stop (redone), groups 1 and 2 are skipped.
+    push_checkpoint(hub, tmp_path / "again", 2, {"prompt_index": 0, "model_version": 2, recipe.CONSUMED_AHEAD: [1, 2]})
+    assert report_for(hub, tmp_path / "b")["verdict"] == "GO"
     # Stale-dropped groups count as consumed too: 8 dropped samples in step 2 are one more group.
     log = train_log()
     log["logs"][1][smoke_report.STALE_KEY] = 8.0
