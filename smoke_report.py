@@ -29,6 +29,7 @@ from typing import Any
 import adapter_repo
 import recipe
 import rollout_guard
+import sandbox_lifecycle
 
 REPORT_PATH = "smoke_report.json"
 SMOKE_SUFFIX = "-smoke"
@@ -269,6 +270,11 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
             reasons.append(f"rollout guard stopped the run: {rollouts['stopped']}")
         if not rollouts.get("scored"):
             reasons.append("no rollout was scored")
+        setup = ((rollouts.get("timing") or {}).get("max") or {}).get(sandbox_lifecycle.SETUP_KEY)
+        if setup is not None and setup > recipe.ROLLOUT_SETUP_BUDGET_S:
+            reasons.append(f"slowest rollout setup {setup:.0f} s is over the {recipe.ROLLOUT_SETUP_BUDGET_S} s "
+                           "OpenEnv's call limit leaves beside the agent timeout: an agent near its timeout loses "
+                           "its rollout (ROLLOUT_SETUP_BUDGET_S in recipe.py)")
     if expect.get("eval"):
         ev = report["eval"]
         if ev is None or not ev["complete"]:
@@ -290,7 +296,7 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
         "stages": [{**s, "budget_s": budgets.get(s["stage"])} for s in stages],
         "training": training(train_log),
         "rollouts": None if ledger is None else {k: ledger.get(k) for k in (
-            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "stopped")},
+            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "timing", "stopped")},
         "checkpoints": checkpoints,
         "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
         "eval": evaluation(eval_doc),
@@ -325,6 +331,7 @@ def render(report: dict[str, Any]) -> str:
         f"  importance ratio {num(ratio and ratio['min'], '.4f')}-{num(ratio and ratio['max'], '.4f')} (band "
         f"{t['ratio_band'][0]:.4f}-{t['ratio_band'][1]:.4f}); sync median {num(sync.get('median'), '.1f')} ms, max "
         f"{num(sync.get('max'), '.1f')} ms; fused tensors {num(fused)}",
+        setup_line(r.get("timing")),
         "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])
         + "; resume " + (report["resume"].get("why") or "not part of this run"),
     ]
@@ -342,6 +349,17 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def setup_line(timing: dict[str, Any] | None) -> str:
+    """The rollouts' setup (rollout_guard's timing): the slowest whole setup against its budget, the slowest parts."""
+    slowest = (timing or {}).get("max") or {}
+    if not (timing or {}).get("count") or sandbox_lifecycle.SETUP_KEY not in slowest:
+        return "  setup per rollout: not measured"
+    parts = ", ".join(f"{key.removesuffix('_s')} {slowest[key]:.0f}" for key in sandbox_lifecycle.TIMING_PARTS
+                      if key in slowest and key != sandbox_lifecycle.AGENT_PART)
+    return (f"  setup of {timing['count']} rollouts: slowest {slowest[sandbox_lifecycle.SETUP_KEY]:.0f} s (budget "
+            f"{recipe.ROLLOUT_SETUP_BUDGET_S} s); {parts} s at most")
 
 
 def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
@@ -376,6 +394,11 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
                              for k in ("rollouts", "scored", "timed_out", "unscorable_total")}
     total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers)
                            for c in rollout_guard.FAILURE_CLASSES}
+    timings = [d.get("timing") or {} for d in ledgers]
+    total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": {}}
+    for timing in timings:
+        for key, seconds in (timing.get("max") or {}).items():
+            total["timing"]["max"][key] = max(total["timing"]["max"].get(key, seconds), seconds)
     total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
     return total
 

@@ -94,7 +94,9 @@ def train_log(ratios: list[float] | None = None, resumed_from: int | None = 2) -
 
 LEDGER = {"schema": 1, "rollouts": 60, "scored": 57, "timed_out": 1,
           "unscorable": {"create": 0, "rollout": 2, "capture": 0, "empty_trace": 1, "verifier": 0},
-          "unscorable_total": 3, "stopped": None}
+          "unscorable_total": 3, "stopped": None,
+          "timing": {"count": 59, "max": {"sandbox_start_s": 31.5, "healthcheck_s": 40.0, "agent_setup_s": 12.0,
+                                          "agent_run_s": 1490.0, "verifier_s": 9.0, "setup_s": 80.25}}}
 
 
 def eval_doc(complete: bool = True) -> dict:
@@ -140,7 +142,7 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert training["fused_tensors"] == 266
     assert training["fork_frac"] == 0.0 and training["fork_frac_logged"]
     assert report["rollouts"] == {k: LEDGER[k] for k in ("rollouts", "scored", "timed_out", "unscorable",
-                                                         "unscorable_total", "stopped")}
+                                                         "unscorable_total", "timing", "stopped")}
     assert [(c["step"], c["verified"], c["files"]) for c in report["checkpoints"]] == [(2, True, 4), (4, True, 4),
                                                                                       (6, True, 4)]
     assert all(c["bytes"] > 0 and c["error"] is None for c in report["checkpoints"])
@@ -153,7 +155,9 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     screen = smoke_report.render(report)
     assert screen.splitlines()[1] == "SMOKE REPORT: GO" and len(screen.splitlines()) <= 30
     for text in ("steps 6/6", "57 scored", "importance ratio 0.9985-1.0005", "fused tensors 266", "2:ok, 4:ok, 6:ok",
-                 "pass@1 base 0.50", "vllm 0.31.0", f"OpenEnv {recipe.OPENENV_COMMIT}", "fetch_training_trace present"):
+                 "pass@1 base 0.50", "vllm 0.31.0", f"OpenEnv {recipe.OPENENV_COMMIT}", "fetch_training_trace present",
+                 f"setup of 59 rollouts: slowest 80 s (budget {recipe.ROLLOUT_SETUP_BUDGET_S} s); sandbox_start 32",
+                 "healthcheck 40", "agent_setup 12", "verifier 9"):
         assert text in screen, text
 
 
@@ -216,6 +220,8 @@ def test_a_restart_instead_of_a_resume_is_no_go(hub, tmp_path):
     ({"doc": {"kind": "full", "complete": False, "cells": []}}, "final eval on the subset did not complete"),
     ({"ledger": {**LEDGER, "stopped": "rollouts are failing systematically"}}, "rollout guard stopped the run"),
     ({"ledger": None}, "no rollout counts"),
+    ({"ledger": {**LEDGER, "timing": {"count": 59, "max": {**LEDGER["timing"]["max"], "setup_s": 420.0}}}},
+     f"slowest rollout setup 420 s is over the {recipe.ROLLOUT_SETUP_BUDGET_S} s"),
     ({"versions": {**VERSIONS, "fetch_training_trace": False}}, "no fetch_training_trace()"),
     ({"log": {"schema": 1, "starts": [], "logs": []}}, "0 of 6 steps done"),
 ])
@@ -245,7 +251,8 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
     assert [c["verified"] for c in pushed["checkpoints"]] == [True, True, True]
     assert pushed["rollouts"] == {
         "rollouts": 120, "scored": 114, "timed_out": 2, "unscorable_total": 8, "stopped": None,
-        "unscorable": {"create": 0, "rollout": 4, "capture": 2, "empty_trace": 2, "verifier": 0}}
+        "unscorable": {"create": 0, "rollout": 4, "capture": 2, "empty_trace": 2, "verifier": 0},
+        "timing": {"count": 118, "max": LEDGER["timing"]["max"]}}
     assert pushed["resume"]["verified"] and pushed["training"]["steps_done"] == 6
 
 
@@ -255,3 +262,17 @@ def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
     assert hub.list_repo_files(REPO) == []
     with pytest.raises(recipe.ConfigError, match="does not end with -smoke"):
         smoke_report.clear(hub, "you/LFM2.5-2.6B-opencode-lora-RL")
+
+
+def test_rollout_timing_merges_over_trainer_starts_as_the_slowest_of_each():
+    first = {**LEDGER, "timing": {"count": 3, "max": {"sandbox_start_s": 50.0, "setup_s": 60.0}}}
+    second = {**LEDGER, "timing": {"count": 2, "max": {"sandbox_start_s": 20.0, "verifier_s": 5.0, "setup_s": 70.0}}}
+    unmeasured = {k: v for k, v in LEDGER.items() if k != "timing"}  # a ledger from before the timing was kept
+    merged = smoke_report.merge_ledgers([first, second, unmeasured])
+    assert merged["timing"] == {"count": 5, "max": {"sandbox_start_s": 50.0, "setup_s": 70.0, "verifier_s": 5.0}}
+
+
+def test_a_run_whose_setup_was_not_measured_says_so_and_is_not_judged_on_it(hub, tmp_path):
+    report = report_for(hub, tmp_path, ledger={**LEDGER, "timing": {"count": 0, "max": {}}})
+    assert report["verdict"] == "GO", report["reasons"]
+    assert "setup per rollout: not measured" in smoke_report.render(report)
