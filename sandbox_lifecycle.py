@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import shutil
+import stat
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -168,7 +169,18 @@ def trial_timing(trial_dir: Path) -> dict[str, float]:
 
 
 def _size_bytes(folder: Path) -> int:
-    return sum(p.lstat().st_size for p in folder.rglob("*") if not p.is_dir())
+    """Bytes of the files under `folder`; files removed meanwhile (another rollout's cleanup) count as nothing."""
+    total = 0
+    try:
+        for path in folder.rglob("*"):
+            try:
+                info = path.lstat()
+            except OSError:
+                continue
+            total += 0 if stat.S_ISDIR(info.st_mode) else info.st_size
+    except OSError:
+        pass
+    return total
 
 
 def _finished_newest_first(trials: Path) -> list[Path]:
@@ -193,10 +205,15 @@ def finish_trial(trial_dir: Path, *, failed: bool) -> None:
     is kept, and the finished trials next to it are pruned to recipe.FAILED_TRIALS_KEEP_MB, newest kept first.
 
     Finished means Harbor wrote the trial's result file, so a trial still running is never touched; the prune also
-    takes the folders of rollouts whose call was lost (their client never learnt the trial's name). A missing folder
-    is fine.
+    takes the folders of rollouts whose call was lost (their client never learnt the trial's name). A folder that is
+    not a trial's (missing, or no config.json) changes nothing.
     """
+    from harbor.models.trial.paths import TrialPaths
+
     trial_dir = Path(trial_dir)
+    # Only a folder Harbor started a trial in (its config.json): `trials_dir / ""` is the whole trials folder.
+    if not TrialPaths(trial_dir).config_path.is_file():
+        return
     if not failed:
         shutil.rmtree(trial_dir, ignore_errors=True)
         return

@@ -237,6 +237,7 @@ def test_a_trial_without_a_result_file_has_no_timing(tmp_path, capsys):
 # --- trial folders ---------------------------------------------------------------------------------------------------
 def finished_trial(trials: Path, name: str, size: int, age_s: float) -> Path:
     trial = write_result(trials / name, environment_setup=span(0, 1))
+    TrialPaths(trial).config_path.write_text("{}")  # Harbor writes it when the trial starts
     (trial / "agent").mkdir()
     (trial / "agent" / "opencode.txt").write_bytes(b"x" * size)
     when = datetime.now().timestamp() - age_s
@@ -249,6 +250,14 @@ def test_a_scored_rollouts_trial_folder_is_removed(tmp_path):
     sandbox_lifecycle.finish_trial(trial, failed=False)
     assert not trial.exists()
     sandbox_lifecycle.finish_trial(trial, failed=False)  # already gone: fine
+
+
+def test_a_folder_that_is_not_one_trial_is_never_removed(tmp_path):
+    """An empty trial name makes the trials folder itself out of `trials_dir / name`: nothing is removed."""
+    trial = finished_trial(tmp_path, "ok-2", 10, 0)
+    for failed in (False, True):
+        sandbox_lifecycle.finish_trial(tmp_path / "", failed=failed)
+    assert trial.exists()
 
 
 def test_failed_trials_are_kept_newest_first_within_the_disk_budget(tmp_path, monkeypatch):
