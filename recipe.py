@@ -179,6 +179,27 @@ TASK_API_TIMEOUT_S = 120
 WORKER_START_LIMIT_S = 300
 STALL_MARGIN_S = 180
 STALL_MINUTES = -(-(WORKER_START_LIMIT_S + TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S + STALL_MARGIN_S) // 60)
+# Sandbox lifecycle (sandbox_lifecycle.py). A rollout's time outside its agent run -- sandbox start, healthcheck (the
+# task's data pull), OpenCode's install, verifier, log transfer -- is what OpenEnv's call limit leaves beside the agent
+# timeout; sandbox_lifecycle.trial_timing measures each part per rollout into the ledger, so a smoke run shows whether
+# real rollouts fit in it. (1800 - 1500) s = 300 s.
+ROLLOUT_SETUP_BUDGET_S = ROLLOUT_CALL_LIMIT_S - AGENT_TIMEOUT_SEC
+# Added to the idle timeout, so a trial that uses its whole call limit keeps its sandbox while the env server copies
+# the logs back and stops it (Harbor's limits are asyncio timeouts in the env server; the sandbox does not see them).
+SANDBOX_IDLE_MARGIN_S = 300
+# HF Sandbox idle timeout, set by the env server (seam_patch.py serve). huggingface_hub 1.33 does not count a running
+# foreground command as activity, and each phase of a trial is one such command (the agent's run alone may take
+# AGENT_TIMEOUT_SEC), so the idle clock may see nothing for a whole trial: Harbor's default of 600 s would shut a
+# sandbox down under any agent running past 10 minutes. It covers the agent timeout, the setup budget and the margin
+# (a trial running past the call limit is lost to its client anyway); its cost is that a sandbox orphaned by a crashed
+# env server lives this long before it shuts itself down.
+# (1500 + 300 + 300) s = 2100 s = 35 minutes.
+SANDBOX_IDLE_TIMEOUT_S = AGENT_TIMEOUT_SEC + ROLLOUT_SETUP_BUDGET_S + SANDBOX_IDLE_MARGIN_S
+# Trial folders: OpenEnv writes one per rollout (2.7 MB on average by its own count, 35 GB for 13,187) and never removes
+# them (~42 GB over a 16,000-rollout run). A scored rollout's folder is removed once its trace is taken; an unscorable
+# one's is kept for diagnosis, newest first, up to this many MB of kept folders (about 750 at the average size).
+# Disk budget of the trials folder: this plus the folders of the rollouts in flight (at most ENV_MAX_SESSIONS).
+FAILED_TRIALS_KEEP_MB = 2048
 # Rollout guard (rollout_guard.py): an infrastructure failure costs one rollout (unscorable, counted); these stop
 # the job. A streak of one whole wave of in-flight rollouts (MAX_INFLIGHT_ROLLOUTS, 32): at even a 25% independent
 # failure rate 32 in a row has probability 0.25**32 ~ 5e-20, so a streak
@@ -294,9 +315,8 @@ SMOKE_MAX_UNSCORABLE = 0.10
 SMOKE_MAX_STALE = 0.05
 # - rollouts whose capture forked into more than one training row (a step then trains part of a group).
 SMOKE_MAX_FORK = 0.05
-# - per-rollout setup (sandbox start, healthcheck with its data pull, agent install, verifier) must fit between the
-#   agent timeout and OpenEnv's per-call limit, or a rollout that uses its whole agent time is cut off ungraded.
-SMOKE_MAX_SETUP_S = ROLLOUT_CALL_LIMIT_S - AGENT_TIMEOUT_SEC
+# - per-rollout setup within ROLLOUT_SETUP_BUDGET_S, and every agent run SANDBOX_IDLE_MARGIN_S inside the sandbox's
+#   idle timeout (SANDBOX_IDLE_TIMEOUT_S).
 
 # --- Files every script writes ------------------------------------------------
 # TRL 1.15's resume position in every checkpoint folder ({prompt_index, model_version}), and the key resume_position.py

@@ -22,11 +22,12 @@ import os
 import threading
 import time
 from collections import Counter, deque
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 import recipe
+from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
@@ -57,7 +58,12 @@ class Ledger:
 
     Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out,
     unscorable: {class: n}, unscorable_total, streak, window: {size, unscorable}, last_error: {class, error, at},
-    stopped}. `stopped` is the one line the job stops with, else null.
+    timing, stopped}. `stopped` is the one line the job stops with, else null.
+
+    `timing` = {"count": n, "max": {part: s, "setup_s": s}} over the rollouts recorded with a non-empty `timing`
+    (sandbox_lifecycle.trial_timing of their Harbor trial): for each part of sandbox_lifecycle.TIMING_PARTS the
+    slowest rollout's seconds, and for `setup_s` the slowest rollout's setup, the sum of its parts but `agent_run_s`
+    (what recipe.ROLLOUT_SETUP_BUDGET_S budgets). A part no rollout reached is absent.
     """
 
     def __init__(self, path: str | Path, *, streak_limit: int = recipe.ROLLOUT_ABORT_STREAK,
@@ -70,17 +76,26 @@ class Ledger:
         self.state: dict[str, Any] = {
             "schema": 1, "started": time.time(), "updated": time.time(), "rollouts": 0, "scored": 0,
             "timed_out": 0, "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
-            "window": {"size": window, "unscorable": 0}, "last_error": None, "stopped": None}
+            "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
+            "stopped": None}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
 
-    def record(self, failure: str | None, error: str = "", *, timed_out: bool = False) -> None:
-        """One finished rollout: `failure` is its class (None = scored). Raises SystematicRolloutFailure on a trip."""
+    def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
+               timing: Mapping[str, float] | None = None) -> None:
+        """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
+        (sandbox_lifecycle.trial_timing). Raises SystematicRolloutFailure on a trip, ValueError for a timing part not
+        in TIMING_PARTS (a caller's bug, refused before anything is counted)."""
+        unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
+        if unknown:
+            raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
         with self._lock:
             state = self.state
             if state["stopped"]:
                 raise SystematicRolloutFailure(state["stopped"])
             state["rollouts"] += 1
+            if timing:
+                self._add_timing(timing)
             state["timed_out"] += timed_out
             self._recent.append(failure)
             if failure is None:
@@ -103,6 +118,13 @@ class Ledger:
             self._write()
             if state["stopped"]:
                 raise SystematicRolloutFailure(state["stopped"])
+
+    def _add_timing(self, timing: Mapping[str, float]) -> None:
+        aggregate = self.state["timing"]
+        aggregate["count"] += 1
+        setup = setup_seconds(timing)
+        for key, seconds in [*timing.items(), *([(SETUP_KEY, setup)] if setup is not None else [])]:
+            aggregate["max"][key] = max(aggregate["max"].get(key, seconds), seconds)
 
     @staticmethod
     def _stop_line(what: str, classes: list[str], failure: str | None, error: str) -> str:

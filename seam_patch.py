@@ -6,9 +6,10 @@ proxy and every model call gets 401. The proxy also reads `x-api-key`, and OpenC
 seam of the installed openenv 0.10.0 is wrapped in-process to add `headers: {"x-api-key": session}`
 next to the `apiKey` it already sets (kept: where nothing strips it, the Bearer is read first and is
 the session too). No installed file is edited; the env server is started through this module so the
-patch lives in the process that resolves seams.
+patch lives in the process that resolves seams. The same process also gets the HF Sandbox idle timeout
+(sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments.
 
-    python3 seam_patch.py check                                  # apply + verify, one line
+    python3 seam_patch.py check                                  # apply + verify, one line each
     python3 seam_patch.py serve -- harbor serve --llm-url ...    # apply, verify, run `openenv ...`
 """
 
@@ -20,6 +21,9 @@ from dataclasses import replace
 from typing import Any
 
 from openenv.harbor import seams
+
+import recipe
+import sandbox_lifecycle
 
 HARNESS = "opencode"
 HEADER = "x-api-key"
@@ -92,9 +96,12 @@ def main(argv: list[str] | None = None) -> None:
     try:
         apply()
         verify()
-    except SeamShapeError as exc:
+        sandbox_lifecycle.apply_idle_timeout()
+        idle = sandbox_lifecycle.verify_idle_timeout()
+    except (SeamShapeError, sandbox_lifecycle.LifecycleShapeError) as exc:
         sys.exit(f"seam_patch: {exc}")
     print(f"seam_patch: {HARNESS} seam sends the capture session as apiKey and {HEADER}", flush=True)
+    print(f"seam_patch: {recipe.SANDBOX} trials ask for idle_timeout={idle} s", flush=True)
     if args.action == "serve":
         rest = args.openenv_args[1:] if args.openenv_args[:1] == ["--"] else args.openenv_args
         from openenv.cli.__main__ import main as openenv_main

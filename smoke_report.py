@@ -30,6 +30,7 @@ from typing import Any
 import adapter_repo
 import recipe
 import rollout_guard
+import sandbox_lifecycle
 
 REPORT_PATH = "smoke_report.json"
 SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
@@ -356,7 +357,7 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
 def limits(expect: dict[str, Any]) -> dict[str, float]:
     """The verdict's limits: recipe.py's, unless `expect` names others (the rehearsal injects faults on purpose)."""
     return {"unscorable": recipe.SMOKE_MAX_UNSCORABLE, "stale": recipe.SMOKE_MAX_STALE, "fork": recipe.SMOKE_MAX_FORK,
-            "setup_s": recipe.SMOKE_MAX_SETUP_S, **(expect.get("limits") or {})}
+            "setup_s": recipe.ROLLOUT_SETUP_BUDGET_S, **(expect.get("limits") or {})}
 
 
 def resume_position(report: dict[str, Any], at: int) -> list[str]:
@@ -388,15 +389,21 @@ def rollout_reasons(rollouts: dict[str, Any] | None, limit: dict[str, float], sa
         classes = ", ".join(f"{c} {n}" for c, n in (rollouts.get("unscorable") or {}).items() if n)
         reasons.append(f"{lost} of {finished} finished rollouts unscorable ({lost / finished:.0%} > "
                        f"{limit['unscorable']:.0%}): {classes}")
-    timing = rollouts.get("timing")
-    if sandbox and not (timing and timing.get("count")):
-        reasons.append("per-rollout setup time not measured (no timing in rollouts.json): sandbox start, data pull, "
-                       "agent install and verifier are unchecked")
-    elif timing and timing.get("count"):
-        worst = (timing.get("max") or {}).get("setup_s")
-        if worst is not None and worst > limit["setup_s"]:
-            reasons.append(f"per-rollout setup took up to {worst:.0f} s > {limit['setup_s']:.0f} s (OpenEnv's call "
-                           "limit minus the agent timeout): a rollout that uses its agent time is cut off ungraded")
+    timing = rollouts.get("timing") or {}
+    slowest = timing.get("max") or {}
+    if not timing.get("count") or sandbox_lifecycle.SETUP_KEY not in slowest:
+        if sandbox:
+            reasons.append("per-rollout setup time not measured (no timing in rollouts.json): sandbox start, data "
+                           "pull, agent install and verifier are unchecked")
+        return reasons
+    if (setup := slowest[sandbox_lifecycle.SETUP_KEY]) > limit["setup_s"]:
+        reasons.append(f"slowest rollout setup {setup:.0f} s is over the {limit['setup_s']:.0f} s OpenEnv's call limit "
+                       "leaves beside the agent timeout: an agent near its timeout loses its rollout "
+                       "(ROLLOUT_SETUP_BUDGET_S in recipe.py)")
+    agent = slowest.get(sandbox_lifecycle.AGENT_PART)
+    if agent is not None and agent > recipe.SANDBOX_IDLE_TIMEOUT_S - recipe.SANDBOX_IDLE_MARGIN_S:
+        reasons.append(f"slowest agent run {agent:.0f} s is within {recipe.SANDBOX_IDLE_MARGIN_S} s of the sandbox's "
+                       f"{recipe.SANDBOX_IDLE_TIMEOUT_S} s idle timeout: its sandbox may shut down under it")
     return reasons
 
 
@@ -427,7 +434,7 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
         "stages": [{**s, "budget_s": budgets.get(s["stage"])} for s in stages],
         "training": training(train_log),
         "rollouts": None if ledger is None else {k: ledger.get(k) for k in (
-            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "stopped", "timing")},
+            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "timing", "stopped")},
         "checkpoints": checkpoints,
         "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
         "eval": evaluation(eval_doc),
@@ -460,12 +467,11 @@ def render(report: dict[str, Any]) -> str:
         f"out, {num(r.get('unscorable_total'))} unscorable {json.dumps(r.get('unscorable'))}",
         f"  trained {num(t['samples_trained'])} samples, {num(t['dropped_stale'])} dropped stale (stale "
         f"{num(t['stale_frac'], '.1%') if t['stale_frac'] is not None else '-'}); fork_frac "
-        f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}; setup max "
-        f"{num(((r.get('timing') or {}).get('max') or {}).get('setup_s'))} s over "
-        f"{num((r.get('timing') or {}).get('count'))} timed rollouts",
+        f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}",
         f"  importance ratio {num(ratio and ratio['min'], '.4f')}-{num(ratio and ratio['max'], '.4f')} (band "
         f"{t['ratio_band'][0]:.4f}-{t['ratio_band'][1]:.4f}); sync median {num(sync.get('median'), '.1f')} ms, max "
         f"{num(sync.get('max'), '.1f')} ms; fused tensors {num(fused)}",
+        setup_line(r.get("timing")),
         "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])
         + "; resume " + (report["resume"].get("why") or "not part of this run"),
     ]
@@ -483,6 +489,17 @@ def render(report: dict[str, Any]) -> str:
     lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]
     lines.append("=" * 78)
     return "\n".join(lines)
+
+
+def setup_line(timing: dict[str, Any] | None) -> str:
+    """The rollouts' setup (rollout_guard's timing): the slowest whole setup against its budget, the slowest parts."""
+    slowest = (timing or {}).get("max") or {}
+    if not (timing or {}).get("count") or sandbox_lifecycle.SETUP_KEY not in slowest:
+        return "  setup per rollout: not measured"
+    parts = ", ".join(f"{key.removesuffix('_s')} {slowest[key]:.0f}" for key in sandbox_lifecycle.TIMING_PARTS
+                      if key in slowest and key != sandbox_lifecycle.AGENT_PART)
+    return (f"  setup of {timing['count']} rollouts: slowest {slowest[sandbox_lifecycle.SETUP_KEY]:.0f} s (budget "
+            f"{recipe.ROLLOUT_SETUP_BUDGET_S} s); {parts} s at most")
 
 
 def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
@@ -537,11 +554,12 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
                              for k in ("rollouts", "scored", "timed_out", "unscorable_total")}
     total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers)
                            for c in rollout_guard.FAILURE_CLASSES}
+    timings = [d.get("timing") or {} for d in ledgers]
+    total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": {}}
+    for timing in timings:
+        for key, seconds in (timing.get("max") or {}).items():
+            total["timing"]["max"][key] = max(total["timing"]["max"].get(key, seconds), seconds)
     total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
-    timings = [d["timing"] for d in ledgers if d.get("timing")]
-    total["timing"] = {"count": sum(t.get("count") or 0 for t in timings),
-                       "max": {k: max(t["max"][k] for t in timings if k in (t.get("max") or {}))
-                               for k in {k for t in timings for k in (t.get("max") or {})}}} if timings else None
     return total
 
 

@@ -43,7 +43,8 @@ SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
            "train_callbacks.py", "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py",
            "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
-           "run_metrics.py", "model_cards.py", "smoke_report.py", "resume_position.py", "chat_template.py"]
+           "run_metrics.py", "model_cards.py", "smoke_report.py", "resume_position.py", "chat_template.py",
+           "sandbox_lifecycle.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -516,7 +517,7 @@ for argv in (["train"], ["smoke"], ["eval-watch"], ["eval", "--checkpoint", "che
                        stored_token=lambda: None) == 0, argv
 new = {{m.split(".")[0] for m in sys.modules}} - before - set(sys.stdlib_module_names)
 assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "smoke_report", "rollout_guard", "tomli_w",
-               "packaging", "dashboard"}}, new
+               "packaging", "dashboard", "sandbox_lifecycle"}}, new
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False,
                           cwd=tmp_path)
