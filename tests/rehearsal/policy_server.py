@@ -255,7 +255,10 @@ class PolicyServer:
                 self._cond.notify_all()
         choice: dict[str, Any] = {
             "index": 0,
-            "message": {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)},
+            # As vLLM 0.31 with --tool-call-parser lfm2 (Lfm2ToolParser.adjust_request): special tokens stay in the
+            # text when tools are offered, so the turn the client sends back re-renders to the sampled ids.
+            "message": {"role": "assistant", "content": self.tokenizer.decode(
+                ids, skip_special_tokens=not (body.get("tools") and body.get("tool_choice") != "none"))},
             "finish_reason": finish,
             "token_ids": ids if body.get("return_token_ids") else None,
             "logprobs": {"content": entries} if body.get("logprobs") else None,
