@@ -55,8 +55,8 @@ APP_DIR = "/app"
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
 COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
-                "adapter_repo.py", "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py",
-                "dashboard.py")
+                "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "serve_env.sh", "seam_patch.py",
+                "capture_gateway.py", "dashboard.py")
 # Backends other than the default (recipe.SANDBOX, HF Sandboxes under HF_TOKEN), and the secret each needs.
 SANDBOX_KEYS = {"daytona": "DAYTONA_API_KEY", "e2b": "E2B_API_KEY"}
 REDACTED = "<redacted>"

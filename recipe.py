@@ -45,11 +45,6 @@ PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)
 # Every SmolDataEnvs task builds FROM this image; the hf-sandbox backend needs it named in task.toml.
 TASK_IMAGE = "docker.io/savatar101/env-data-agent-train:base"
 
-# --- OpenEnv (harbor_env comes from the repo, not the wheel) -----------------
-OPENENV_GIT = "https://github.com/huggingface/OpenEnv.git"
-# A commit whose envs/harbor_env HarborSession has fetch_training_trace() (TRL 1.15 requires it).
-OPENENV_COMMIT = "86a180ede21e044f7929b9a7783ad83aa67d83a3"
-
 # --- Data ------------------------------------------------------------------
 TRAIN_DATASET = "FineEnvs/SmolDataEnvs-harbor-train"
 TRAIN_REVISION = "4719635555de1666f374d847baebb500d368e493"
@@ -177,6 +172,11 @@ READY_TIMEOUT_S = 1800  # vLLM and the env server must answer their health check
 # Env server sessions at once (OpenEnv's default is 4): every in-flight rollout holds one, and the
 # ones past the cap fail with SessionCapacityError. Must exceed training and eval concurrency.
 ENV_MAX_SESSIONS = 64
+# Keepalive pong timeout of a rollout's MCP socket to the env server (openenv's client default is 20 s): the server's
+# event loop stalls while Harbor sets a trial up, and a 20 s timeout dropped a whole rollout as
+# "ConnectionClosedError: keepalive ping timeout" on a loaded 2-core machine. A rollout call still ends at
+# ROLLOUT_CALL_LIMIT_S; a dead server is still seen within this.
+ENV_PING_TIMEOUT_S = 300
 # OpenCode release the sandboxes install (Harbor's default floats); the x-api-key seam was checked on it.
 OPENCODE_VERSION = "1.18.33"
 PUSH_RETRIES = 5
@@ -215,7 +215,7 @@ SMOKE_JOB_START_S = 300
 # Install: apt git/curl + the pinned stack next to the image's torch and vLLM (~105 s for the whole stack with
 # torch measured on a CPU machine; x3 for PyPI and the image's larger dependency set).
 SMOKE_INSTALL_S = 300
-# OpenEnv clone (blob-less, one commit), the seam check and 1,000 train task folders from the Hub.
+# The session-client and seam checks and 1,000 train task folders from the Hub.
 SMOKE_PREPARE_S = 300
 # vLLM: ~5 GB of bf16 weights downloaded, loaded and CUDA graphs captured; then the env server and the gateway.
 SMOKE_SERVERS_S = 600

@@ -16,8 +16,7 @@ from tests.hub_double import LocalHub
 REPO = "you/LFM2.5-2.6B-opencode-lora-RL-smoke"
 EXPECT = {"steps": 6, "checkpoints": [2, 4, 6], "resume_at": 2, "eval": True}
 VERSIONS = {"vllm": "0.31.0", "torch": "2.13.0", "trl": "1.15.0", "transformers": "5.17.0", "peft": "0.21.2",
-            "openenv": "0.10.0", "harbor": "0.25.0", "openenv_commit": recipe.OPENENV_COMMIT,
-            "fetch_training_trace": True}
+            "openenv": "0.10.0", "harbor": "0.25.0", "fetch_training_trace": True}
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
@@ -153,7 +152,7 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     screen = smoke_report.render(report)
     assert screen.splitlines()[1] == "SMOKE REPORT: GO" and len(screen.splitlines()) <= 30
     for text in ("steps 6/6", "57 scored", "importance ratio 0.9985-1.0005", "fused tensors 266", "2:ok, 4:ok, 6:ok",
-                 "pass@1 base 0.50", "vllm 0.31.0", f"OpenEnv {recipe.OPENENV_COMMIT}", "fetch_training_trace present"):
+                 "pass@1 base 0.50", "vllm 0.31.0", "Harbor sessions: fetch_training_trace present"):
         assert text in screen, text
 
 
@@ -240,7 +239,7 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
     pushed = json.loads((hub.root / REPO / smoke_report.REPORT_PATH).read_text())
     assert json.loads((work / smoke_report.REPORT_PATH).read_text()) == pushed
     assert "hf_test_placeholder" not in out and "SMOKE REPORT: NO-GO" in out
-    assert rc == 1 and pushed["verdict"] == "NO-GO"  # no eval results in the repo, and this bundle has no harbor_env
+    assert rc == 1 and pushed["verdict"] == "NO-GO"  # no eval results in the repo
     assert "final eval on the subset did not complete" in pushed["reasons"]
     assert [c["verified"] for c in pushed["checkpoints"]] == [True, True, True]
     assert pushed["rollouts"] == {
@@ -255,3 +254,11 @@ def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
     assert hub.list_repo_files(REPO) == []
     with pytest.raises(recipe.ConfigError, match="does not end with -smoke"):
         smoke_report.clear(hub, "you/LFM2.5-2.6B-opencode-lora-RL")
+
+
+def test_versions_say_whether_the_shipped_session_client_is_trainable():
+    class WaitsOnly:  # a session TRL 1.15 would refuse: no fetch_training_trace()
+        def wait_for_completion(self, timeout_s=None): ...
+
+    assert smoke_report.versions()["fetch_training_trace"] is True  # harbor_sessions.HarborRolloutSession
+    assert smoke_report.versions(WaitsOnly)["fetch_training_trace"] is False
