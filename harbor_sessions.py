@@ -32,6 +32,10 @@ import recipe
 # Harbor's exception types (openenv copies them to `result.exception_type`) for an agent that ran out of time: the
 # verifier still graded the workspace, so the rollout is trained as timed out rather than dropped.
 AGENT_TIMEOUT_TYPES = ("AgentTimeoutError",)
+# Harbor's exceptions for a verifier that ran after the agent and produced no reward (harbor/verifier/verifier.py,
+# harbor/trial/errors.py): the agent's rollout is whole, only its grade is missing (rollout_guard's "verifier").
+VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "DownloadVerifierDirError",
+                          "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
 
 
 def instruction_key(instruction: str) -> str:
@@ -105,6 +109,9 @@ class HarborRolloutSession(ResourceSession):
                                           **{k: v for k, v in self.call.items() if v is not None})
         finally:
             env.close()
+        if not self.result.ok and self.result.exception_type in VERIFIER_FAILURE_TYPES:
+            self.error = f"the verifier failed: {self.result.exception_type}: {self.result.error}"
+            return 0  # the agent ran to its end; verify() says what is missing
         if not self.result.ok and self.result.exception_type in AGENT_TIMEOUT_TYPES:
             self.timed_out = True
             raise TimeoutError(f"agent timed out: {self.result.error or self.result.exception_type}")
@@ -124,8 +131,11 @@ class HarborRolloutSession(ResourceSession):
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
         """The verifier's reward, for a rollout that ran (or timed out) and was graded; None otherwise (unscorable).
 
-        A failed rollout may still carry a reward (openenv notes one with reward 1.0): it is not passed on.
+        A failed rollout may still carry a reward (openenv notes one with reward 1.0): it is not passed on. A verifier
+        that crashed raises, so the rollout is unscorable for its grade, not for the agent.
         """
+        if self.result is not None and self.result.exception_type in VERIFIER_FAILURE_TYPES:
+            raise RuntimeError(self.error)
         graded = self.result is not None and (self.result.ok or self.timed_out)
         reward = self.result.reward if graded else None
         return VerifyResult(env_reward=reward, done=True,
