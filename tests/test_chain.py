@@ -239,12 +239,15 @@ def check_trace(chain, session, trace, agent_turns: int) -> None:
         assert torch.allclose(torch.tensor(turn.per_token_logps), expected, atol=1e-4)
 
 
-def test_a_right_answer_scores_one_with_a_clean_trainable_trace(chain, played):
+def test_a_right_answer_scores_one_with_a_clean_trainable_trace(chain, played, monkeypatch):
     right = of_kind(played, "right")
     assert right and all(reward == 1.0 for _, _, reward in right)
     session, trace, _ = right[0]
     check_trace(chain, session, trace, agent_turns=2)  # the write call, then the final message
     assert trace.turns[0].response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "write"
+    # The session finds the env server's Harbor trial folder by openenv's own rule (the job runs both with one env).
+    monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
+    assert (session.trial_dir / "verifier" / "reward.txt").read_text().strip() == "1.0"
 
 
 def test_a_wrong_answer_scores_zero_with_a_clean_trainable_trace(chain, played):
