@@ -134,48 +134,6 @@ class Rollout(Protocol):
 SessionFactory = Callable[[int, str], Rollout]  # (task_index, served model name) -> rollout
 
 
-class HarborEvalSession:
-    """One eval rollout on the env server, with the eval contract the training sessions do not send.
-
-    `harbor_env.harness.HarborSession` forwards no `purpose`/`eval_sampling`, so eval calls the same
-    OpenEnv Harbor client it wraps (`HarborEnv.run_rollout`) with them set explicitly.
-    """
-
-    def __init__(self, env_url: str, split: str, task_index: int, llm_url: str, model: str, sandbox: str) -> None:
-        self.env_url, self.split, self.task_index = env_url, split, task_index
-        self.llm_url, self.model, self.sandbox = llm_url, model, sandbox
-        self.result: Any = None
-        self.error = ""
-
-    def wait_for_completion(self) -> int:
-        from openenv.harbor.client import HarborEnv
-
-        env = HarborEnv(base_url=self.env_url)  # one client per rollout: the MCP socket is not shareable
-        try:
-            self.result = env.run_rollout(
-                split=self.split,
-                task_index=self.task_index,
-                harness="opencode",
-                sandbox=self.sandbox,
-                llm_url=self.llm_url,
-                model=self.model,
-                purpose="eval",
-                eval_sampling=eval_sampling(),
-                agent_step_limit=recipe.AGENT_CALL_LIMIT,
-                agent_timeout_sec=recipe.AGENT_TIMEOUT_SEC,
-            )
-        except Exception as exc:  # noqa: BLE001 - a failed call is an unscorable cell, not a crash
-            self.result = None
-            self.error = f"{type(exc).__name__}: {exc}"
-            return 1
-        finally:
-            env.close()
-        return 0 if self.result.ok else 1
-
-    def close(self) -> None:
-        """The server owns the sandbox; the client is closed after each call."""
-
-
 class HarborEvalFactory:
     """Eval rollouts and the task list of one split on a running OpenEnv Harbor env server."""
 
@@ -205,8 +163,15 @@ class HarborEvalFactory:
                 "it is not running or still starting: start it (serve_env.sh; run_eval.sh does) or fix "
                 "--env-url/ENV_URL") from exc
 
-    def __call__(self, task_index: int, model: str) -> HarborEvalSession:
-        return HarborEvalSession(self.env_url, self.split, task_index, self.llm_url, model, self.sandbox)
+    def __call__(self, task_index: int, model: str) -> Rollout:
+        """One eval rollout through the trainer's session client (harbor_sessions.py), with the eval contract:
+        `purpose="eval"`, the explicit eval sampling, the training agent budget and timeout."""
+        from harbor_sessions import HarborSessionFactory
+
+        sessions = HarborSessionFactory(self.env_url, split=self.split, llm_url=self.llm_url, sandbox=self.sandbox,
+                                        agent_timeout_sec=recipe.AGENT_TIMEOUT_SEC,
+                                        agent_step_limit=recipe.AGENT_CALL_LIMIT)
+        return sessions.eval_session(task_index, model, eval_sampling())
 
 
 def choose_split(splits: list[dict[str, Any]], wanted: str = "") -> str:

@@ -56,8 +56,8 @@ APP_DIR = "/app"
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
 COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
-                "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh", "seam_patch.py",
-                "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py")
+                "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
+                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py")
 REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
 PENDING_REVISION = "<commit of the uploaded bundle>"

@@ -47,11 +47,6 @@ PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)
 # Every SmolDataEnvs task builds FROM this image; the hf-sandbox backend needs it named in task.toml.
 TASK_IMAGE = "docker.io/savatar101/env-data-agent-train:base"
 
-# --- OpenEnv (harbor_env comes from the repo, not the wheel) -----------------
-OPENENV_GIT = "https://github.com/huggingface/OpenEnv.git"
-# A commit whose envs/harbor_env HarborSession has fetch_training_trace() (TRL 1.15 requires it).
-OPENENV_COMMIT = "86a180ede21e044f7929b9a7783ad83aa67d83a3"
-
 # --- Data ------------------------------------------------------------------
 TRAIN_DATASET = "FineEnvs/SmolDataEnvs-harbor-train"
 TRAIN_REVISION = "4719635555de1666f374d847baebb500d368e493"
@@ -222,6 +217,11 @@ ENV_MAX_SESSIONS = 64
 # character were \u-escaped (6 bytes), plus OpenCode's system prompt and tool schemas (tens of KB): 8 MiB is 10x the
 # largest request the model can take, and bounds what an unauthenticated caller can make the job hold in memory.
 CAPTURE_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Keepalive pong timeout of a rollout's MCP socket to the env server (openenv's client default is 20 s): the server's
+# event loop stalls while Harbor sets a trial up, and a 20 s timeout dropped a whole rollout as
+# "ConnectionClosedError: keepalive ping timeout" on a loaded 2-core machine. A rollout call still ends at
+# ROLLOUT_CALL_LIMIT_S; a dead server is still seen within this.
+ENV_PING_TIMEOUT_S = 300
 # OpenCode release the sandboxes install (Harbor's default floats); the x-api-key seam was checked on it.
 OPENCODE_VERSION = "1.18.33"
 PUSH_RETRIES = 5
@@ -278,7 +278,7 @@ SMOKE_JOB_START_WORST_S = 900
 # CPU machine; x3 for PyPI and the image's larger dependency set; worst x2 for a slow index).
 SMOKE_INSTALL_S = 300
 SMOKE_INSTALL_WORST_S = 600
-# The seam check and 1,000 train task folders from the Hub (worst: a slow Hub, twice that).
+# The session-client and seam checks and 1,000 train task folders from the Hub (worst: a slow Hub, twice that).
 SMOKE_PREPARE_S = 300
 SMOKE_PREPARE_WORST_S = 600
 # vLLM: ~5 GB of bf16 weights downloaded, loaded and CUDA graphs captured; then the env server and the gateway. Worst:

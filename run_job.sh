@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The HF Job entrypoint (vllm/vllm-openai image, h200x2): one job that installs the pinned stack next to
-# vLLM, clones OpenEnv, patches the OpenCode seam, prepares the tasks, starts vLLM (GPU 1) and the env
+# vLLM, checks the Harbor session client, patches the OpenCode seam, prepares the tasks, starts vLLM (GPU 1) and the env
 # server, trains the LoRA (GPU 0) under a stall watchdog, then runs the final base-vs-adapter eval.
 #
 #   bash run_job.sh                                               # inside the job (see README "Your path")
@@ -13,8 +13,7 @@
 #   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
 #   SANDBOX=<SANDBOX>        the only backend the job installs (daytona and e2b are refused).  REPORT_TO=<REPORT_TO>
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
-#   OPENENV_GIT=<OPENENV_GIT>  OPENENV_COMMIT=<OPENENV_COMMIT>   OpenEnv checkout providing envs/harbor_env.
-#   WORK_DIR=/tmp/lfm-job    tasks, OpenEnv clone, trainer output, heartbeat. Logs: LOG_DIR=/tmp/lfm-logs.
+#   WORK_DIR=/tmp/lfm-job    tasks, trainer output, heartbeat. Logs: LOG_DIR=/tmp/lfm-logs.
 #   STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)   no optimizer step and no finished rollout for this long
 #                            fails the job (recipe.py states why a healthy run always beats within it).
 #   WATCH_INTERVAL=<WATCH_INTERVAL_S>  seconds between watchdog checks.  READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
@@ -41,15 +40,14 @@ launch() {
 # run them): a bad value stops the job here, before step 1.
 read_knobs() {
   local -a k
-  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU OPENENV_GIT OPENENV_COMMIT TRAIN_FLAVOR SMOKE_STEPS)
-  [ "${#k[@]}" -eq 7 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
+  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU TRAIN_FLAVOR SMOKE_STEPS)
+  [ "${#k[@]}" -eq 5 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
   LOOPBACK="${k[0]}"; TRAINER_GPU="${k[1]}"; VLLM_GPU="${k[2]}"
-  OPENENV_GIT="${OPENENV_GIT:-${k[3]}}"; OPENENV_COMMIT="${OPENENV_COMMIT:-${k[4]}}"
-  JOB_FLAVOR="${k[5]}"
+  JOB_FLAVOR="${k[3]}"
   env_knobs MODE
   STEPS=9
   if [ "$MODE" = smoke ]; then  # the smoke plan's numbers for its MAX_STEPS unless set (preflight checks them)
-    STEPS=10; export MAX_STEPS="${MAX_STEPS:-${k[6]}}"
+    STEPS=10; export MAX_STEPS="${MAX_STEPS:-${k[4]}}"
     env_knobs MAX_STEPS
     SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan --knobs --steps "$MAX_STEPS" 2>&1)" \
       || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
@@ -105,31 +103,10 @@ smoke_job_report() {
   "${cmd[@]}"
 }
 
-# 2. OpenEnv at the pinned commit, its envs/ on the path via a .pth file; HarborSession must be trainable.
-clone_openenv() {
-  local dir="$WORK_DIR/OpenEnv" site="${SITE_PACKAGES:-}"
-  do_cmd rm -rf "$dir"
-  do_cmd git clone --quiet --filter=blob:none --no-checkout "$OPENENV_GIT" "$dir"
-  do_cmd git -C "$dir" checkout --quiet "$OPENENV_COMMIT"
-  [ -n "$site" ] || site="$("$PYTHON" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
-  if dry_run; then
-    echo "  write $site/openenv_envs.pth -> $dir/envs; check harbor_env.harness.HarborSession has fetch_training_trace()"
-    return 0
-  fi
-  echo "$dir/envs" >"$site/openenv_envs.pth"
-  # A fresh interpreter with no path of its own: the import proves the .pth is read at start-up, as the env
-  # server and the trainer will read it. TRL 1.15 checks sessions against openenv's runtime-checkable
-  # TrainableSession: method presence.
-  py_check 'site, commit = sys.argv[2], sys.argv[3]
-try:
-    from harbor_env.harness import HarborSession, HarborSessionFactory  # noqa: F401
-except Exception as exc:
-    sys.exit(f"OpenEnv {commit}: harbor_env.harness does not import at interpreter start ({type(exc).__name__}: "
-             f"{exc}); is {site} a site-packages folder this python reads .pth files from? Set SITE_PACKAGES")
-if not all(callable(getattr(HarborSession, m, None)) for m in ("wait_for_completion", "fetch_training_trace")):
-    sys.exit(f"OpenEnv {commit}: harbor_env.harness.HarborSession has no fetch_training_trace(), which TRL 1.15 "
-             "requires for loop-owning training: set OPENENV_COMMIT to a commit that has it")' "$site" "$OPENENV_COMMIT"
-  STEP_NOTE="OpenEnv $OPENENV_COMMIT in $dir; HarborSession has fetch_training_trace()"
+# 2. The session client (harbor_sessions.py, on the pinned openenv's public client) is one TRL 1.15 can train from.
+check_sessions() {
+  do_cmd "$PYTHON" "$HERE/harbor_sessions.py" check
+  STEP_NOTE="Harbor sessions satisfy openenv's TrainableSession (no OpenEnv checkout needed)"
 }
 
 # 3. The x-api-key seam patch (applied for real inside the env server, which starts through seam_patch.py).
@@ -285,7 +262,7 @@ main() {
   begin_job read_knobs
   step 0 preflight preflight
   step 1 install install_stack
-  step 2 openenv clone_openenv
+  step 2 openenv check_sessions
   step 3 seam-patch check_seam
   step 4 tasks prepare_tasks
   step 5 vllm start_policy

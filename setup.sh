@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One-time local set-up: find a Python >= 3.12 (Harbor needs it), create .venv, install the pinned
-# stack plus test tools, the OpenCode client and vLLM's code for the CPU tests. Usage: bash setup.sh
+# stack plus test tools, the OpenCode client, vLLM's code for the CPU tests and the task image root the rollout-chain
+# tests run sandboxes from (tests/test_chain.py). Usage: bash setup.sh   (CI=true: a missing chain piece fails it)
 set -euo pipefail
 
 VENV="${VENV:-.venv}"
@@ -39,6 +40,80 @@ install_vllm_code() {
   cp requirements-vllm.txt "$stamp"
 }
 
+# The rollout chain's tools (tests/test_chain.py): bubblewrap runs each sandbox, debootstrap builds the image root.
+# Installed with apt when this is root on Debian; otherwise one line says what to install. CI=true makes it fatal.
+CHAIN_PACKAGES=(bubblewrap debootstrap)
+CHAIN_IMAGE="${CHAIN_IMAGE:-.chain-image}"
+CHAIN_TOOLS=(bwrap debootstrap)
+
+chain_missing() {
+  local reason="$1"
+  if [ "${CI:-}" = "true" ]; then
+    echo "setup.sh: the rollout-chain tests cannot run: $reason" >&2
+    exit 1
+  fi
+  echo "setup.sh: the rollout-chain tests will be skipped: $reason" >&2
+  return 1
+}
+
+install_chain_tools() {
+  local tool missing=()
+  for tool in "${CHAIN_TOOLS[@]}"; do command -v "$tool" >/dev/null || PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ "${#missing[@]}" -eq 0 ] && return 0
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${CHAIN_PACKAGES[@]}" >/dev/null && return 0
+  fi
+  chain_missing "install ${CHAIN_PACKAGES[*]} (Debian: sudo apt-get install ${CHAIN_PACKAGES[*]}) and rerun as root"
+}
+
+# What the image root is built from; a different stamp (new machine, new CA certificates, another OpenCode pin, a
+# changed puller or build) rebuilds it.
+chain_image_stamp() {
+  { declare -f build_chain_image; "$VENV/bin/python" recipe.py OPENCODE_VERSION; cat tests/chain/pull_bucket.py
+    cat /etc/machine-id 2>/dev/null || hostname; cat /usr/local/share/ca-certificates/*.crt 2>/dev/null || true
+  } | sha256sum | cut -d' ' -f1
+}
+
+# The task image root for the suite's sandboxes: Debian minbase + python3, ca-certificates, curl, procps, Node.js and
+# npm (installed inside the root: debootstrap's --include leaves npm unconfigured), this machine's CA certificates
+# (npm inside fails SELF_SIGNED_CERT_IN_CHAIN without them), /workdir, the bucket puller at /opt/pull_bucket.py and
+# the pinned OpenCode from .opencode. About 2 minutes and 650 MB, kept in $CHAIN_IMAGE (git-ignored).
+build_chain_image() {
+  local root="$CHAIN_IMAGE/root" new="$CHAIN_IMAGE/root.new" stamp
+  stamp="$(chain_image_stamp)"
+  if [ -d "$root" ] && [ "$(cat "$CHAIN_IMAGE/stamp" 2>/dev/null)" = "$stamp" ]; then return 0; fi
+  if [ "$(id -u)" -ne 0 ]; then chain_missing "building the sandbox image root needs root (mounts, debootstrap)" || return 0; fi
+  echo "setup.sh: building the sandbox image root in $CHAIN_IMAGE (about 2 minutes)"
+  rm -rf "$new"
+  mkdir -p "$CHAIN_IMAGE"
+  PATH="$PATH:/usr/sbin:/sbin" debootstrap --variant=minbase bookworm "$new" http://deb.debian.org/debian >"$CHAIN_IMAGE/build.log" 2>&1
+  mkdir -p "$new/usr/local/share/ca-certificates"
+  cp /usr/local/share/ca-certificates/*.crt "$new/usr/local/share/ca-certificates/" 2>/dev/null || true
+  {
+    in_chain_root "$new" apt-get update -qq
+    in_chain_root "$new" apt-get install -y -qq --no-install-recommends python3 ca-certificates curl procps nodejs npm
+    in_chain_root "$new" update-ca-certificates
+    in_chain_root "$new" apt-get clean
+  } >>"$CHAIN_IMAGE/build.log" 2>&1
+  mkdir -p "$new/workdir" "$new/opt" "$new/usr/local/lib/node_modules"
+  cp tests/chain/pull_bucket.py "$new/opt/pull_bucket.py"
+  cp -a .opencode/node_modules/opencode-ai "$new/usr/local/lib/node_modules/opencode-ai"
+  ln -sf ../lib/node_modules/opencode-ai/bin/opencode.exe "$new/usr/local/bin/opencode"
+  in_chain_root "$new" opencode --version >/dev/null
+  rm -rf "$root"
+  mv "$new" "$root"
+  echo "$stamp" >"$CHAIN_IMAGE/stamp"
+}
+
+# Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).
+in_chain_root() {
+  local root="$1"
+  shift
+  bwrap --bind "$root" / --dev /dev --proc /proc --ro-bind /etc/resolv.conf /etc/resolv.conf --tmpfs /tmp \
+    --setenv PATH /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --setenv HOME /root \
+    --setenv DEBIAN_FRONTEND noninteractive "$@"
+}
+
 main() {
   cd "$(dirname "$0")"
   local python
@@ -50,6 +125,7 @@ main() {
   "$VENV/bin/python" -m pip check || echo "setup.sh: pip check reported the conflicts above" >&2
   install_opencode
   install_vllm_code
+  if install_chain_tools; then build_chain_image; fi
   echo "setup.sh: ready. Run the tests with: .venv/bin/python -m pytest"
 }
 

@@ -17,7 +17,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -113,7 +112,8 @@ def plan(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
         ("job-start", recipe.SMOKE_JOB_START_S, recipe.SMOKE_JOB_START_WORST_S,
          "image pull, bundle download (before run_job.sh)"),
         ("install", recipe.SMOKE_INSTALL_S, recipe.SMOKE_INSTALL_WORST_S, "pinned stack next to the image's vLLM"),
-        ("prepare", recipe.SMOKE_PREPARE_S, recipe.SMOKE_PREPARE_WORST_S, "seam check, train tasks"),
+        ("prepare", recipe.SMOKE_PREPARE_S, recipe.SMOKE_PREPARE_WORST_S,
+         "session-client and seam checks, train tasks"),
         ("servers", recipe.SMOKE_SERVERS_S, recipe.READY_TIMEOUT_S, "vLLM (GPU 1), env server, capture gateway"),
         ("train", start + resume_at * step + len(before) * push,
          start + waves(resume_at, per_wave) * slow + len(before) * worst_push,
@@ -283,26 +283,23 @@ def evaluation(doc: dict[str, Any] | None) -> dict[str, Any] | None:
             "tasks": len(doc.get("tasks", [])), **sides}
 
 
-def versions(openenv_dir: Path | None, session_class: Any = None) -> dict[str, Any]:
-    """What is installed, the OpenEnv commit checked out, and whether its HarborSession has fetch_training_trace."""
+def versions(session_class: Any = None) -> dict[str, Any]:
+    """What is installed, and whether the session client (harbor_sessions.py) is one TRL 1.15 can train from:
+    openenv's runtime-checkable TrainableSession (wait_for_completion, fetch_training_trace)."""
     found: dict[str, Any] = {}
     for name in VERSIONED:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = None
-    commit = None
-    if openenv_dir is not None and (openenv_dir / ".git").exists():
-        out = subprocess.run(["git", "-C", str(openenv_dir), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             check=False)
-        commit = out.stdout.strip() or None
-    found["openenv_commit"] = commit
-    if session_class is None:
-        try:
-            from harbor_env.harness import HarborSession as session_class
-        except Exception:  # noqa: BLE001 - not importable is what the report says
-            session_class = None
-    found["fetch_training_trace"] = callable(getattr(session_class, "fetch_training_trace", None))
+    try:
+        from openenv.core.harness import TrainableSession
+
+        if session_class is None:
+            from harbor_sessions import HarborRolloutSession as session_class
+        found["fetch_training_trace"] = issubclass(session_class, TrainableSession)
+    except Exception:  # noqa: BLE001 - not importable is what the report says
+        found["fetch_training_trace"] = False
     return found
 
 
@@ -350,7 +347,7 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
                     reasons.append(f"eval: {cells['scored'] or 0} of {cells['tasks'] or 0} {side} cells scored "
                                    f"({cells['unscorable'] or 0} unscorable): a smoke eval scores every cell")
     if not report["versions"]["fetch_training_trace"]:
-        reasons.append("OpenEnv's HarborSession has no fetch_training_trace() (TRL 1.15 needs it)")
+        reasons.append("the Harbor session client has no fetch_training_trace() (TRL 1.15 needs it)")
     return reasons
 
 
@@ -484,8 +481,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append("  eval: no results")
     v = report["versions"]
     lines.append("  " + ", ".join(f"{k} {v[k] or '-'}" for k in VERSIONED))
-    lines.append(f"  OpenEnv {v['openenv_commit'] or '-'}; fetch_training_trace "
-                 f"{'present' if v['fetch_training_trace'] else 'ABSENT'}")
+    lines.append(f"  Harbor sessions: fetch_training_trace {'present' if v['fetch_training_trace'] else 'ABSENT'}")
     lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]
     lines.append("=" * 78)
     return "\n".join(lines)
@@ -564,7 +560,7 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 
 def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]], expect: dict[str, Any], *,
-            openenv_dir: Path | None = None, session_class: Any = None) -> dict[str, Any]:
+            session_class: Any = None) -> dict[str, Any]:
     """Everything the job left in `work_dir` (heartbeat, rollouts.json, train_log.json) and in the repo."""
     heartbeat = work_dir / "heartbeat"
     with tempfile.TemporaryDirectory() as tmp:
@@ -579,7 +575,7 @@ def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]]
     ledgers = [rollout_guard.read_ledger(p) for p in paths]
     return build(stages, recipe.read_json(heartbeat.with_name("train_log.json")),
                  merge_ledgers([d for d in ledgers if d]), checkpoints,
-                 eval_doc if expect.get("eval") else None, versions(openenv_dir, session_class), expect, files)
+                 eval_doc if expect.get("eval") else None, versions(session_class), expect, files)
 
 
 def expect_smoke(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
@@ -633,8 +629,7 @@ def command(args: argparse.Namespace, make_api: Callable[[str], Any] | None) -> 
         cap = plan(steps)["cap_s"]
         print(f"smoke_report: cleared {clear(api, repo_id, cap)} files of the previous smoke run from {repo_id}")
         return
-    report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(steps),
-                     openenv_dir=args.work_dir / "OpenEnv")
+    report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(steps))
     recipe.write_json(args.work_dir / REPORT_PATH, report, indent=1, sort_keys=True)
     print(render(report), flush=True)
     try:

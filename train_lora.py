@@ -271,25 +271,15 @@ def reward(outcome: HarnessRolloutOutcome) -> float | None:
 
 # --- Tasks, tokenizer and rollout worker ----------------------------------------------------------------------------
 def session_factory(settings: Settings) -> functools.partial:
-    """A picklable factory for OpenEnv Harbor sessions (the worker rebuilds it in a spawned child).
+    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py; the worker rebuilds it in a spawned child).
 
     The worker adds `sampling=` (the trainer's full-vocabulary policy) when it calls it. `agent_step_limit`
     makes the capture proxy enforce the recipe's model-call budget (plus OpenCode's one auxiliary title
     call, which the proxy also counts): in loop-owning mode TRL's own `max_tool_calling_iterations` never
     reaches the agent.
     """
-    try:
-        from harbor_env.harness import HarborSession, HarborSessionFactory
-    except ImportError as error:
-        raise recipe.ConfigError(
-            f"cannot import harbor_env.harness ({error}): clone {recipe.OPENENV_GIT} at {recipe.OPENENV_COMMIT} "
-            "and put its envs/ on sys.path (run_job.sh does this with a .pth file)"
-        ) from None
-    if not hasattr(HarborSession, "fetch_training_trace"):
-        raise recipe.ConfigError(
-            f"harbor_env.HarborSession has no fetch_training_trace(), which TRL 1.15 needs: "
-            f"check out OpenEnv {recipe.OPENENV_COMMIT}"
-        )
+    from harbor_sessions import HarborSessionFactory
+
     return functools.partial(
         HarborSessionFactory,
         settings.env_url,

@@ -84,11 +84,8 @@ COPY pull_bucket.py /opt/pull_bucket.py
 WORKDIR /workdir
 """
 
-PULL_BUCKET = '''"""Copy this task's files from the public bucket into /home/user/input (stand-in)."""
-import os
-
-print("staged", os.environ["HF_BUCKET"], os.environ["BUCKET_PREFIX"])
-'''
+# The bucket puller the task image ships (the real chain's image has it at /opt/pull_bucket.py, setup.sh copies it).
+PULL_BUCKET = (Path(__file__).resolve().parent / "chain" / "pull_bucket.py").read_text()
 
 TEST_SH = """#!/bin/bash
 mkdir -p /logs/verifier

@@ -85,7 +85,7 @@ def test_recipe_cli_prints_knobs_for_shell_scripts() -> None:
 def test_common_sh_reads_every_knob_once_and_answers_as_recipe_py_does() -> None:
     """common.sh loads `recipe.py --all` when sourced; its `recipe` function then answers without Python, the same
     lines `recipe.py NAME...` prints, and fails on a name recipe.py does not know."""
-    names = ["MAX_TOKENS", "LORA_TARGET_MODULES", "OPENENV_GIT", "PIP_CHECK_ACCEPTED", "TEMPERATURE"]
+    names = ["MAX_TOKENS", "LORA_TARGET_MODULES", "TASK_IMAGE", "PIP_CHECK_ACCEPTED", "TEMPERATURE"]
     direct = subprocess.run([sys.executable, "recipe.py", *names], cwd=ROOT, capture_output=True, text=True,
                             check=True).stdout
     script = f'source common.sh; recipe {" ".join(names)}; recipe os || echo "refused: $?"'

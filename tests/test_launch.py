@@ -44,7 +44,7 @@ SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval
            "train_callbacks.py", "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py",
            "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
            "run_metrics.py", "model_cards.py", "smoke_report.py", "resume_position.py", "chat_template.py",
-           "sandbox_lifecycle.py"]
+           "sandbox_lifecycle.py", "harbor_sessions.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 

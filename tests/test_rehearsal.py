@@ -41,7 +41,7 @@ import weight_sync
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 sys.path.insert(0, str(REHEARSAL))
 
-from policy_server import OldestTaskFirst, PolicyServer  # noqa: E402
+from policy_server import ANSWER_FILE, OldestTaskFirst, PolicyServer, Script  # noqa: E402
 from rehearse import ADAPTER_REPO, start_capture_proxy, wait_for_proxy  # noqa: E402
 from sessions import ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
@@ -107,6 +107,37 @@ def test_logprobs_are_the_models_at_the_requested_temperature(server: PolicyServ
     served = torch.tensor([e["logprob"] for e in choice["logprobs"]["content"]])
     assert torch.allclose(served, expected, atol=0.05), (served, expected)
     assert bool((served < 0).all())
+
+
+def test_scripted_agent_turns_are_the_tokenizers_rendering_with_the_models_logprobs(server: PolicyServer) -> None:
+    write = {"type": "function", "function": {"name": "write", "parameters": {"type": "object", "properties": {
+        "filePath": {"type": "string"}, "content": {"type": "string"}}}}}
+    server.script = Script({"task-7": ["right"]}, "4.2", "7.5")
+    try:
+        messages = [{"role": "system", "content": "agent"}, {"role": "user", "content": "Solve task-7."}]
+        first = chat(server, messages=messages, tools=[write], logprobs=True, return_token_ids=True, temperature=1.0)
+        call = first["choices"][0]["message"]["tool_calls"][0]
+        assert first["choices"][0]["finish_reason"] == "tool_calls" and call["function"]["name"] == "write"
+        assert json.loads(call["function"]["arguments"]) == {"filePath": ANSWER_FILE, "content": "4.2"}
+        messages += [first["choices"][0]["message"], {"role": "tool", "tool_call_id": call["id"], "content": "ok"}]
+        second = chat(server, messages=messages, tools=[write], logprobs=True, return_token_ids=True, temperature=1.0)
+    finally:
+        server.script = None
+    assert second["choices"][0]["finish_reason"] == "stop" and "tool_calls" not in second["choices"][0]["message"]
+    ids = first["choices"][0]["token_ids"]
+    assert server.tokenizer.decode(ids) == "<|tool_call_start|>[write(filePath='/workdir/answer.txt', content='4.2')]" \
+                                           "<|tool_call_end|><|im_end|>"  # the lfm2 template's own rendering
+    full = first["prompt_token_ids"] + ids
+    assert second["prompt_token_ids"][:len(full)] == full  # the next turn extends it: TRL chains one sequence
+    # Both turns' logprobs, recomputed in one full forward (no cache) of the served weights: the served numbers.
+    sequence = second["prompt_token_ids"] + second["choices"][0]["token_ids"]
+    with torch.no_grad():
+        logprobs = torch.log_softmax(server.model(input_ids=torch.tensor([sequence])).logits[0].float(), -1)
+    for reply in (first, second):
+        at, got = len(reply["prompt_token_ids"]), reply["choices"][0]["token_ids"]
+        expected = logprobs[at - 1 + torch.arange(len(got)), torch.tensor(got)]
+        served = torch.tensor([e["logprob"] for e in reply["choices"][0]["logprobs"]["content"]])
+        assert torch.allclose(served, expected, atol=0.05), (served, expected)
 
 
 def test_engine_serves_the_oldest_task_first_and_later_turns_before_first_ones() -> None:

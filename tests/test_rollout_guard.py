@@ -238,7 +238,7 @@ def test_waiting_trainer_dates_its_heartbeat_to_the_last_finished_rollout(tokeni
 
 # --- the same guard on the eval path ------------------------------------------------------------------------------
 class CrashingEvalSession:
-    """A rollout whose call raises (a client that does not catch, like HarborEvalSession does, e.g. a reset)."""
+    """A rollout whose call raises (harbor_sessions lets a client error through, e.g. a connection reset)."""
 
     result = None
 

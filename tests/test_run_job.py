@@ -1,4 +1,4 @@
-"""run_job.sh driven through bash with stub `vllm`/`nvidia-smi`/`git`/`python3 -m pip` on PATH and fake
+"""run_job.sh driven through bash with stub `vllm`/`nvidia-smi`/`python3 -m pip` on PATH and fake
 trainer/task-prep/eval scripts: the plan, the order of a full run, the stall watchdog, crashing children,
 bad input stopping the job before anything starts, and no process left behind."""
 
@@ -27,7 +27,8 @@ REAL = ["run_job.sh", "common.sh", "recipe.py", "image_check.py", "requirements.
         "chat_template.py", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "rollout_guard.py",
         "sandbox_lifecycle.py"]
 FAKES = {"train_lora.py": "fake_trainer.py", "prepare_tasks.py": "fake_prepare_tasks.py",
-         "run_eval.sh": "fake_run_eval.sh", "smoke_report.py": "fake_smoke_report.py"}
+         "run_eval.sh": "fake_run_eval.sh", "smoke_report.py": "fake_smoke_report.py",
+         "harbor_sessions.py": "fake_harbor_sessions.py"}
 SECRET = "hf_secret_token_value"
 
 
@@ -149,9 +150,10 @@ def test_dry_run_prints_ordered_plan_and_starts_nothing(job):
     assert server[server.index("--host") + 1] == "127.0.0.1"
     gateway = next(c for c in commands if c[1].endswith("capture_gateway.py"))
     assert gateway[gateway.index("--listen-port") + 1] == str(job["ports"]["PUBLIC_PORT"])
-    order = [index_of(lines, p) for p in ("  $ git clone", "  $ env CUDA_VISIBLE_DEVICES=1", "  $ env DATASETS=",
-                                          "  $ env CUDA_VISIBLE_DEVICES=0", "  stop vllm and env_server",
-                                          "  $ env ADAPTER_REPO=")]
+    sessions_check = next(i for i, line in enumerate(lines) if line.endswith("harbor_sessions.py check"))
+    order = [sessions_check] + [index_of(lines, p) for p in (
+        "  $ env CUDA_VISIBLE_DEVICES=1", "  $ env DATASETS=", "  $ env CUDA_VISIBLE_DEVICES=0",
+        "  stop vllm and env_server", "  $ env ADAPTER_REPO=")]
     assert order == sorted(order)
     assert "CHECKPOINT=final" in lines[order[-1]]
     assert stub_log(job) == []  # nothing ran
@@ -166,7 +168,7 @@ def test_full_run_in_order_and_cleans_up(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server", "trainer",
+    assert kinds == ["pip", "pip", "pip", "harbor_sessions", "prepare_tasks", "vllm", "env_server", "trainer",
                      "run_eval"], log
     assert log[0] == "pip install -q --no-deps transformers==5.17.0"
     assert log[1].startswith("pip install -q -c ")
@@ -176,19 +178,17 @@ def test_full_run_in_order_and_cleans_up(job):
     assert any(c.startswith("torch==") for c in constraints)
     # vLLM's own range holds the install step, except the accepted mcp break (fake_vllm declares both).
     assert "fastapi<0.137.0,>=0.133.0" in constraints and not any(c.startswith("mcp") for c in constraints)
-    assert f"checkout --quiet {recipe.OPENENV_COMMIT}" in log[4]
-    assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in log[6] and "--host 127.0.0.1" in log[6]
+    assert log[3] == "harbor_sessions check"
+    assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in log[5] and "--host 127.0.0.1" in log[5]
     public = f"job123--{job['ports']['PUBLIC_PORT']}.hf.jobs"
-    assert f"SPACE_HOST={public}" in log[7] and "--host 127.0.0.1" in log[7]
-    assert "CUDA_VISIBLE_DEVICES=0" in log[8] and "HF_TOKEN_SET=True" in log[8] and "MAX_STEPS=3" in log[8]
-    assert log[9] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
+    assert f"SPACE_HOST={public}" in log[6] and "--host 127.0.0.1" in log[6]
+    assert "CUDA_VISIBLE_DEVICES=0" in log[7] and "HF_TOKEN_SET=True" in log[7] and "MAX_STEPS=3" in log[7]
+    assert log[8] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
                      "EVAL_TASKS= training_vllm=down"
     for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
                               "watchdog", "train", "final-eval"]):
         assert any(f"step {n}/9 {name}: " in line and line.endswith("s)") for line in out.stdout.splitlines())
     assert "trainer finished 3 steps" in out.stdout
-    pth = (job["tmp"] / "site" / "openenv_envs.pth").read_text().strip()
-    assert pth == str(job["tmp"] / "work" / "OpenEnv" / "envs")
     assert_no_leftovers(job["token"])
 
 
@@ -258,14 +258,14 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["smoke_report", "pip", "pip", "pip", "git", "git", "prepare_tasks", "vllm", "env_server",
+    assert kinds == ["smoke_report", "pip", "pip", "pip", "harbor_sessions", "prepare_tasks", "vllm", "env_server",
                      "trainer", "trainer", "run_eval", "smoke_report"], log
     assert log[0] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"  # the preflight's last act
-    assert "STOP_AFTER_STEP=5" in log[9] and "STOP_AFTER_STEP=None" in log[10]
-    assert "EVAL_TASKS=4 training_vllm=down" in log[11]
+    assert "STOP_AFTER_STEP=5" in log[8] and "STOP_AFTER_STEP=None" in log[9]
+    assert "EVAL_TASKS=4 training_vllm=down" in log[10]
     steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",
              "resume", "final-eval"]
-    assert log[12] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
+    assert log[11] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
     assert "SMOKE REPORT: GO" in out.stdout
     assert_no_leftovers(job["token"])
 
@@ -373,11 +373,10 @@ def test_sigterm_stops_everything(job):
     assert_no_leftovers(job["token"])
 
 
-def test_openenv_without_fetch_training_trace_stops_job(job):
+def test_openenv_whose_sessions_trl_cannot_train_stops_job(job):
     out = run_job(job, STUB_OPENENV="old")
     assert out.returncode != 0
-    assert "HarborSession has no fetch_training_trace()" in out.stderr
-    assert f"OpenEnv {recipe.OPENENV_COMMIT}" in out.stderr
+    assert "TrainableSession: False" in out.stderr.strip().splitlines()[-1]
     assert not any(line.startswith("vllm") for line in stub_log(job))
 
 
@@ -389,7 +388,7 @@ def test_vllm_outside_version_window_stops_job_with_versions(job):
     message = out.stderr.strip().splitlines()[-1]
     assert f"vllm 0.30.0 is installed, the recipe needs vllm=={recipe.VLLM_VERSION}" in message
     assert "versions found: trl 1.15.0" in message and "transformers 5.17.0" in message
-    assert not any(line.startswith("git") for line in stub_log(job))
+    assert not any(line.startswith("harbor_sessions") for line in stub_log(job))
 
 
 def test_vllm_build_with_local_version_suffix_passes(job):
@@ -400,23 +399,13 @@ def test_vllm_build_with_local_version_suffix_passes(job):
     assert f"vllm {recipe.VLLM_VERSION}+cu130" in out.stdout  # the versions line
 
 
-def test_pth_not_read_at_interpreter_start_stops_job(job, tmp_path):
-    elsewhere = tmp_path / "not-a-site-dir"  # no interpreter reads .pth files from here at start-up
-    elsewhere.mkdir()
-    out = run_job(job, SITE_PACKAGES=str(elsewhere))
-    assert out.returncode != 0
-    message = out.stderr.strip().splitlines()[-1]
-    assert "harbor_env.harness does not import at interpreter start" in message and str(elsewhere) in message
-    assert not any(line.startswith("vllm") for line in stub_log(job))
-
-
 def test_pip_check_break_stops_job_naming_the_package(job):
     broken = "vllm 0.31.0 has requirement fastapi<0.137.0,>=0.133.0, but you have fastapi 0.165.0."
     out = run_job(job, STUB_PIP_CHECK=broken)
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert "the install step broke a requirement: " + broken in message and "PIP_CHECK_ACCEPTED" in message
-    assert not any(line.startswith(("git", "vllm")) for line in stub_log(job))
+    assert not any(line.startswith(("harbor_sessions", "vllm")) for line in stub_log(job))
 
 
 def test_accepted_pip_check_break_passes(job):
@@ -431,7 +420,7 @@ def test_vllm_api_server_not_importing_stops_job(job):
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert "vLLM's API server does not import after the install step" in message and "mcp.nonexistent" in message
-    assert not any(line.startswith(("git", "vllm")) for line in stub_log(job))
+    assert not any(line.startswith(("harbor_sessions", "vllm")) for line in stub_log(job))
 
 
 # --- bad input stops the job at once, with one line ----------------------------------------------------

@@ -20,7 +20,6 @@ SCRIPTS = sorted(ROOT.glob("*.py"))
 # Provided on the job by something other than pip and requirements.txt.
 OUTSIDE = {
     "vllm": "the vllm/vllm-openai image the jobs run in",
-    "harbor_env": "OpenEnv's envs/, cloned at recipe.OPENENV_COMMIT and put on sys.path by run_job.sh",
 }
 
 

@@ -18,8 +18,7 @@ REPO = "you/LFM2.5-2.6B-opencode-lora-RL-smoke"
 # report builder is given it.
 EXPECT = {"steps": 6, "checkpoints": [2, 4, 6], "resume_at": 2, "eval": True}
 VERSIONS = {"vllm": "0.31.0", "torch": "2.13.0", "trl": "1.15.0", "transformers": "5.17.0", "peft": "0.21.2",
-            "openenv": "0.10.0", "harbor": "0.25.0", "openenv_commit": recipe.OPENENV_COMMIT,
-            "fetch_training_trace": True}
+            "openenv": "0.10.0", "harbor": "0.25.0", "fetch_training_trace": True}
 
 
 # --- the plan ------------------------------------------------------------------------------------------------
@@ -187,7 +186,7 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert screen.splitlines()[1] == "SMOKE REPORT: GO" and len(screen.splitlines()) <= 30
     for text in ("steps 6/6", "57 scored", "48 samples, 0 dropped stale", "importance ratio 0.9985-1.0005",
                  "fused tensors 266", "2:ok, 4:ok, 6:ok", "pass@1 base 0.50", "vllm 0.31.0",
-                 f"OpenEnv {recipe.OPENENV_COMMIT}", "fetch_training_trace present",
+                 "Harbor sessions: fetch_training_trace present",
                  f"setup of 59 rollouts: slowest 80 s (budget {recipe.ROLLOUT_SETUP_BUDGET_S} s); sandbox_start 32",
                  "healthcheck 40", "agent_setup 12", "verifier 9"):
         assert text in screen, text
@@ -281,7 +280,7 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
     pushed = json.loads((hub.root / REPO / smoke_report.REPORT_PATH).read_text())
     assert json.loads((work / smoke_report.REPORT_PATH).read_text()) == pushed
     assert "hf_test_placeholder" not in out and "SMOKE REPORT: NO-GO" in out
-    assert rc == 1 and pushed["verdict"] == "NO-GO"  # no eval results in the repo, and this bundle has no harbor_env
+    assert rc == 1 and pushed["verdict"] == "NO-GO"  # no eval results in the repo
     assert "final eval on the subset did not complete" in pushed["reasons"]
     assert [c["verified"] for c in pushed["checkpoints"]] == [True, True, True]
     assert pushed["rollouts"] == {
@@ -412,3 +411,11 @@ def test_a_run_whose_setup_was_not_measured_says_so_and_is_no_go_unless_it_had_n
                                   {**EXPECT, "sandbox": False}, hub.list_repo_files(REPO))
     assert scripted["verdict"] == "GO", scripted["reasons"]
     assert "setup per rollout: not measured" in smoke_report.render(scripted)
+
+
+def test_versions_say_whether_the_shipped_session_client_is_trainable():
+    class WaitsOnly:  # a session TRL 1.15 would refuse: no fetch_training_trace()
+        def wait_for_completion(self, timeout_s=None): ...
+
+    assert smoke_report.versions()["fetch_training_trace"] is True  # harbor_sessions.HarborRolloutSession
+    assert smoke_report.versions(WaitsOnly)["fetch_training_trace"] is False

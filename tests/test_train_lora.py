@@ -250,19 +250,13 @@ def test_a_token_that_cannot_write_to_the_existing_repo_is_refused_before_the_mo
         train_lora.train(settings, factory=functools.partial(FakeSessionFactory), api=hub)
 
 
-def test_harbor_env_missing_is_a_config_error_naming_the_pinned_commit(monkeypatch):
-    monkeypatch.setitem(sys.modules, "harbor_env", None)  # Import of harbor_env.harness fails, as without the clone.
-    with pytest.raises(recipe.ConfigError, match=recipe.OPENENV_COMMIT):
-        train_lora.session_factory(train_lora.settings_from_env(BASE_ENV))
-
-
 def test_dry_run_prints_the_resolved_config_without_secrets_side_effects_or_downloads(tmp_path):
     cwd, home = tmp_path / "cwd", tmp_path / "home"
     cwd.mkdir()
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
            "PYTHONPATH": str(ROOT), **BASE_ENV, "MAX_STEPS": "20", "CAPTURE_URL": "https://abc--8000.hf.jobs/capture"}
     # The dry run imports none of the training stack (about 10 s of CPU), and loads or writes nothing.
-    code = ("import sys, train_lora; code = train_lora.main(['--dry-run']); loaded = [m for m in ('harbor_env', "
+    code = ("import sys, train_lora; code = train_lora.main(['--dry-run']); loaded = [m for m in ('openenv', "
             "'torch', 'transformers', 'peft', 'trl', 'weight_sync', 'train_callbacks') if m in sys.modules]; "
             "print('LOADED', loaded, file=sys.stderr); sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
@@ -344,25 +338,27 @@ def test_worker_kwargs_and_factory_survive_pickle(built):
     assert session.sampling["temperature"] == recipe.TEMPERATURE
 
 
-def test_session_factory_is_a_picklable_partial_of_harbor(monkeypatch, tmp_path):
-    # A stand-in harbor_env package on sys.path, shaped like OpenEnv's (the clone is not available here).
-    package = tmp_path / "harbor_env"
-    package.mkdir()
-    (package / "__init__.py").write_text("")
-    (package / "harness.py").write_text(
-        "class HarborSession:\n    def fetch_training_trace(self): ...\n\n"
-        "class HarborSessionFactory:\n    def __init__(self, server_url, **kwargs):\n"
-        "        self.server_url, self.kwargs = server_url, kwargs\n")
-    monkeypatch.syspath_prepend(str(tmp_path))
-    settings = train_lora.settings_from_env({**BASE_ENV, "ENV_URL": "http://127.0.0.1:9001", "SANDBOX": "hf-sandbox"})
+def test_session_factory_builds_harbor_sessions_that_trl_can_train_after_pickle():
+    from openenv.core.harness import TrainableSession
+
+    import harbor_sessions
+
+    settings = train_lora.settings_from_env({**BASE_ENV, "ENV_URL": "http://127.0.0.1:9001", "SANDBOX": "daytona"})
     factory = pickle.loads(pickle.dumps(train_lora.session_factory(settings)))
-    built = factory(sampling={"temperature": 1.0})
-    assert built.server_url == "http://127.0.0.1:9001"
-    assert built.kwargs["harness"] == "opencode" and built.kwargs["sandbox"] == "hf-sandbox"
-    assert built.kwargs["llm_url"] == settings.vllm_url and built.kwargs["model"] == recipe.SERVED_MODEL_NAME
+    built = factory(sampling={"temperature": 1.0})  # what TRL's spawned rollout child does
+    assert isinstance(built, harbor_sessions.HarborSessionFactory) and built.env_url == "http://127.0.0.1:9001"
+    assert built.session_kwargs["harness"] == "opencode" and built.session_kwargs["sandbox"] == "daytona"
+    assert built.session_kwargs["llm_url"] == settings.vllm_url
+    assert built.session_kwargs["model"] == recipe.SERVED_MODEL_NAME
     # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.
-    assert built.kwargs["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
+    assert built.session_kwargs["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
+    assert built.session_kwargs["agent_timeout_sec"] == recipe.AGENT_TIMEOUT_SEC
     assert TOKEN not in pickle.dumps(factory).decode("latin-1")
+    built._tasks = [{"index": 3, "task_name": "t3", "instruction": "Say 4.2."}]  # as tasks() fills it
+    built._by_key = {harbor_sessions.instruction_key("Say 4.2."): built._tasks[0]}
+    session = pickle.loads(pickle.dumps(built)).create([{"role": "user", "content": "Say 4.2.\n"}])
+    assert isinstance(session, TrainableSession)  # TRL's loop-owning path refuses anything else
+    assert (session.task_index, session.call["purpose"], session.call["sampling"]) == (3, "train", {"temperature": 1.0})
 
 
 def test_empty_task_list_is_a_config_error(tmp_path):

@@ -11,16 +11,26 @@ Logprobs are real: log_softmax(logits / temperature) of the served model over th
 processed logprobs), so the trainer's importance ratio and OpenEnv's logprobs-mode probe measure something.
 Weights arrive as (name, tensor) pairs through `receive` (the NCCL stand-in, see weight_transfer.py) and are
 loaded into the served parameters, cast to the served dtype as vLLM's loader does, by `/update_weights`.
+
+With a `Script` (the real rollout chain, tests/test_chain.py), the server is also the agent's brain: for a task the
+script knows it chooses what an agent would say (a tool call that writes the answer, then a final message; or a
+wrong answer, no answer, a malformed tool call, a tool loop), renders that reply with the served tokenizer's chat
+template exactly as the next request will re-render it, and returns those tokens with the served model's real
+processed logprobs for them (one teacher-forced forward pass under the current weights), as vLLM would for tokens
+it had sampled. Requests for tasks it does not know (the capture proxy's probes) are sampled as before.
 """
 
 from __future__ import annotations
 
+import copy
 import heapq
 import itertools
+import json
 import socket
 import threading
 import time
 import uuid
+from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
@@ -99,12 +109,85 @@ class OldestTaskFirst:
             self._cond.notify_all()
 
 
+# What a scripted agent does in a task, turn by turn (Script.reply):
+#   right      write(filePath=answer file, content=the right answer), then a final message
+#   wrong      the same with a wrong answer
+#   none       a final message at once: no answer file
+#   malformed  a tool call the parser cannot read (left as text; OpenCode ends on it): no answer file
+#   loop       a shell tool call every turn, until the agent timeout stops it
+MODES = ("right", "wrong", "none", "malformed", "loop")
+ANSWER_FILE = "/workdir/answer.txt"
+TITLE = "Mean of column x"
+
+
+class Script:
+    """Per-task agent modes: the k-th rollout of a task plays `modes[task][k % len]`, so a group has contrast."""
+
+    def __init__(self, modes: dict[str, list[str]], right: str, wrong: str) -> None:
+        unknown = {m for ms in modes.values() for m in ms} - set(MODES)
+        if unknown:
+            raise ValueError(f"unknown agent modes {sorted(unknown)}; known: {MODES}")
+        self.modes, self.right, self.wrong = modes, right, wrong
+        self._started: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.played: list[tuple[str, str]] = []  # (task, mode) of every rollout started, in order
+
+    def task_of(self, messages: list[dict[str, Any]]) -> str | None:
+        user = "\n".join(_text(m.get("content")) for m in messages if m.get("role") == "user")
+        return next((task for task in self.modes if task in user), None)
+
+    def reply(self, messages: list[dict[str, Any]], tools: list[Any] | None) -> dict[str, Any] | None:
+        """The assistant message to send (OpenAI shape, arguments as JSON text), or None for an unscripted request."""
+        task = self.task_of(messages)
+        if task is None:
+            return None
+        if not tools:  # OpenCode's title call (auxiliary): a short title
+            return {"role": "assistant", "content": TITLE}
+        calls = [c for m in messages if m.get("role") == "assistant" for c in m.get("tool_calls") or []]
+        if not calls:
+            with self._lock:
+                k = self._started.get(task, 0)
+                self._started[task] = k + 1
+                mode = self.modes[task][k % len(self.modes[task])]
+                self.played.append((task, mode))
+            return self._first(mode)
+        if calls[-1]["function"]["name"] == "bash":
+            return _call("bash", {"command": "sleep 1", "description": "Wait for the data"})
+        return {"role": "assistant", "content": f"The answer is in {ANSWER_FILE}."}
+
+    def _first(self, mode: str) -> dict[str, Any]:
+        if mode in ("right", "wrong"):
+            return _call("write", {"filePath": ANSWER_FILE, "content": self.right if mode == "right" else self.wrong})
+        if mode == "none":
+            return {"role": "assistant", "content": "I could not find the answer."}
+        if mode == "malformed":
+            return {"role": "assistant", "content": f"<|tool_call_start|>[write(filePath='{ANSWER_FILE}', content="}
+        return _call("bash", {"command": "sleep 1", "description": "Wait for the data"})
+
+
+def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
+    return {"role": "assistant", "content": "", "tool_calls": [{
+        "id": f"call_{uuid.uuid4().hex[:12]}", "type": "function",
+        "function": {"name": name, "arguments": json.dumps(arguments)}}]}
+
+
+def _for_template(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as vLLM hands it to a chat template: text content, tool-call arguments parsed from JSON."""
+    out = {**message, "content": _text(message.get("content"))}
+    if message.get("tool_calls"):
+        out["tool_calls"] = [{**c, "function": {**c["function"], "arguments": json.loads(c["function"]["arguments"])
+                                                if isinstance(c["function"]["arguments"], str)
+                                                else c["function"]["arguments"]}} for c in message["tool_calls"]]
+    return out
+
+
 class PolicyServer:
     """One model, served on 127.0.0.1 from a background thread, paused and reloaded by the weight sync."""
 
     def __init__(self, model_dir: str | Path, *, served_name: str, dtype: str, max_model_len: int,
-                 seed: int = 0) -> None:
+                 seed: int = 0, script: Script | None = None) -> None:
         self.served_name = served_name
+        self.script = script
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
@@ -119,6 +202,10 @@ class PolicyServer:
         self._staged: list[tuple[str, torch.Tensor]] | None = None
         # One generation at a time, like vLLM's single engine loop; it also leaves the trainer a core.
         self._engine = OldestTaskFirst()
+        # Scored prefixes (token tuple -> model cache), as vLLM's prefix cache: every OpenCode call repeats its long
+        # system prompt and the conversation so far. Only valid for the weights they were computed with.
+        self._prefixes: OrderedDict[tuple[int, ...], Any] = OrderedDict()
+        self._prefix_version = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = self._build_app()
@@ -221,6 +308,52 @@ class PolicyServer:
             out = self.model(input_ids=torch.tensor([[token]]), past_key_values=out.past_key_values, use_cache=True)
         return ids, entries, "length"
 
+    PREFIXES = 48  # cached prefixes kept (a few MB each for the tiny model)
+
+    @torch.inference_mode()
+    def _score(self, prompt_ids: list[int], ids: list[int], temperature: float) -> list[dict[str, Any]]:
+        """Processed logprobs of `ids` after `prompt_ids` under the served weights: a teacher-forced pass that
+        resumes from the longest cached prefix and caches the system block, the prompt and the whole sequence."""
+        if self._prefix_version != self.version:
+            self._prefixes.clear()
+            self._prefix_version = self.version
+        seq = prompt_ids + ids
+        start = max((k for k in self._prefixes if len(k) <= len(prompt_ids) and tuple(seq[:len(k)]) == k),
+                    key=len, default=())
+        system_end = next((i + 1 for i, t in enumerate(prompt_ids) if t in self.eos_ids), 0)
+        cuts = sorted({c for c in (system_end, len(prompt_ids), len(seq)) if c > len(start)})
+        cache, last = copy.deepcopy(self._prefixes[start]) if start else (None, None)
+        logits, done = [] if last is None else [last[None]], len(start)
+        with Bf16GemmInFp32():
+            for cut in cuts:
+                out = self.model(input_ids=torch.tensor([seq[done:cut]]), past_key_values=cache, use_cache=True)
+                cache, done = out.past_key_values, cut
+                logits.append(out.logits[0].float())
+                self._prefixes[tuple(seq[:cut])] = (copy.deepcopy(cache), logits[-1][-1].clone())
+        while len(self._prefixes) > self.PREFIXES:
+            self._prefixes.popitem(last=False)
+        # Row r holds the logits after token len(start) - 1 + r (a cached prefix keeps its last row): the
+        # completion's tokens are predicted from the last prompt position on.
+        offset = len(start) - (0 if last is None else 1)
+        logits = torch.cat(logits)[len(prompt_ids) - 1 - offset:len(seq) - 1 - offset]
+        logprobs = torch.log_softmax(logits / temperature if temperature > 0 else logits, dim=-1)
+        return [{"token": f"token_id:{t}", "logprob": float(logprobs[i, t]), "bytes": None} for i, t in enumerate(ids)]
+
+    def _scripted(self, messages: list[dict[str, Any]], tools: list[Any] | None,
+                  reply: dict[str, Any]) -> tuple[list[int], list[int], str]:
+        """Prompt ids, the reply's completion ids (what the template renders for it, through its end-of-turn token)
+        and the finish reason: the next turn's prompt then starts with prompt + completion, as with vLLM."""
+        convo = [_for_template(m) for m in messages]
+        prompt_ids = list(self.tokenizer.apply_chat_template(
+            convo, tools=tools or None, add_generation_prompt=True, tokenize=True, return_dict=False))
+        full = list(self.tokenizer.apply_chat_template(
+            [*convo, _for_template(reply)], tools=tools or None, tokenize=True, return_dict=False))
+        if full[:len(prompt_ids)] != prompt_ids:
+            raise RuntimeError("the chat template does not render the reply as a continuation of its prompt")
+        rest = full[len(prompt_ids):]
+        end = next(i for i, t in enumerate(rest) if t in self.eos_ids)
+        return prompt_ids, rest[:end + 1], "tool_calls" if reply.get("tool_calls") else "stop"
+
     def complete(self, body: dict[str, Any]) -> JSONResponse:
         """One chat completion in vLLM's shape (with return_token_ids and processed logprobs)."""
         if body.get("model") not in (None, self.served_name):
@@ -229,8 +362,13 @@ class PolicyServer:
         if problem:
             return _error(400, problem)
         messages = [{**m, "content": _text(m.get("content"))} for m in body.get("messages") or []]
-        prompt_ids = list(self.tokenizer.apply_chat_template(
-            messages, tools=body.get("tools") or None, add_generation_prompt=True, tokenize=True, return_dict=False))
+        reply = self.script.reply(messages, body.get("tools")) if self.script else None
+        if reply is not None:
+            prompt_ids, scripted, finish = self._scripted(messages, body.get("tools"), reply)
+        else:
+            prompt_ids = list(self.tokenizer.apply_chat_template(
+                messages, tools=body.get("tools") or None, add_generation_prompt=True, tokenize=True,
+                return_dict=False))
         room = self.max_model_len - len(prompt_ids)
         requested = body.get("max_completion_tokens") or body.get("max_tokens") or room
         if room <= 0 or requested > room:
@@ -245,20 +383,29 @@ class PolicyServer:
             task = next((m["content"] for m in messages if m.get("role") == "user"), "")
             self._engine.acquire(task, depth=len(messages))
             try:
-                ids, entries, finish = self._generate(prompt_ids, int(requested), temperature,
-                                                      int(body.get("top_logprobs") or 0))
+                if reply is not None:
+                    ids = scripted[:int(requested)]
+                    finish = finish if len(ids) == len(scripted) else "length"
+                    entries = self._score(prompt_ids, ids, temperature)
+                else:
+                    ids, entries, finish = self._generate(prompt_ids, int(requested), temperature,
+                                                          int(body.get("top_logprobs") or 0))
             finally:
                 self._engine.release()
         finally:
             with self._cond:
                 self._active -= 1
                 self._cond.notify_all()
+        # As vLLM 0.31 with --tool-call-parser lfm2 (Lfm2ToolParser.adjust_request): special tokens stay in the text
+        # when tools are offered.
+        keep_special = bool(body.get("tools")) and body.get("tool_choice") != "none"
+        message = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=not keep_special)}
+        if reply is not None and finish != "length":  # what vLLM's tool parser makes of the rendered call
+            message = {"role": "assistant", "content": reply.get("content") or None,
+                       **({"tool_calls": reply["tool_calls"]} if reply.get("tool_calls") else {})}
         choice: dict[str, Any] = {
             "index": 0,
-            # As vLLM 0.31 with --tool-call-parser lfm2 (Lfm2ToolParser.adjust_request): special tokens stay in the
-            # text when tools are offered, so the turn the client sends back re-renders to the sampled ids.
-            "message": {"role": "assistant", "content": self.tokenizer.decode(
-                ids, skip_special_tokens=not (body.get("tools") and body.get("tool_choice") != "none"))},
+            "message": message,
             "finish_reason": finish,
             "token_ids": ids if body.get("return_token_ids") else None,
             "logprobs": {"content": entries} if body.get("logprobs") else None,

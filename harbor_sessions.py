@@ -1,0 +1,254 @@
+"""OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client.
+
+One session is one `HarborEnv.run_rollout` call to the env server (which boots the sandbox, runs OpenCode through
+its capture proxy and grades the workspace with the task's own verifier); its `TrainingTrace` is
+`openenv.harbor.contract.to_training_trace(result)`. The sessions satisfy openenv's runtime-checkable
+`TrainableSession`, which TRL 1.15's loop-owning worker requires. The same classes run in the job and in the suite's
+real rollout chain (tests/test_chain.py), so no OpenEnv checkout is needed (OpenEnv's `envs/harbor_env` has no
+readable version with `fetch_training_trace`).
+
+    factory = HarborSessionFactory(env_url, split="...", llm_url=vllm_url, model="policy", sampling={...})
+    session = factory.create([{"role": "user", "content": instruction}])   # purpose "train"
+    session.wait_for_completion(); trace = session.fetch_training_trace(); verdict = session.verify([])
+
+Purpose rules (OpenEnv's): a factory given `sampling` (TRL adds the trainer's full-vocabulary policy) runs
+`purpose="train"` rollouts with it (sent explicitly: the env server then refuses an engine without exact token
+capture instead of returning an untrainable eval-type rollout); an eval session runs `purpose="eval"` with an
+explicit `eval_sampling` and no `sampling`. TRL rebuilds the factory in a spawned child, so a factory holds plain
+data until it is used.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from pathlib import Path
+from typing import Any
+
+from openenv.core.harness import ResourceSession, ResourceSessionFactory, ToolResult, TrainingTrace, VerifyResult
+
+import recipe
+
+# Harbor's exception types (openenv copies them to `result.exception_type`) for an agent that ran out of time: the
+# verifier still graded the workspace, so the rollout is trained as timed out rather than dropped.
+AGENT_TIMEOUT_TYPES = ("AgentTimeoutError",)
+# Harbor's exceptions for a verifier that ran after the agent and produced no reward (harbor/verifier/verifier.py,
+# harbor/trial/errors.py): the agent's rollout is whole, only its grade is missing (rollout_guard's "verifier").
+VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "DownloadVerifierDirError",
+                          "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
+
+
+def instruction_key(instruction: str) -> str:
+    """The task key TRL's prompt is matched by: TRL hands `create()` the prompt only, never the task index."""
+    return hashlib.sha1(instruction.strip().encode()).hexdigest()
+
+
+def prompt_text(task: Any) -> str:
+    """The instruction in what TRL passes to `create()`: a message list (its last user message) or a string."""
+    if isinstance(task, list):
+        return str(task[-1]["content"])
+    if isinstance(task, dict):
+        return str(task.get("prompt", task.get("content", "")))
+    return str(task)
+
+
+def trials_dir() -> Path:
+    """Where the env server writes its Harbor trial folders (openenv's rule: OPENENV_HARBOR_TRIALS_DIR or its
+    default); the env server runs in the same container, with the same environment."""
+    from openenv.harbor.environment import _trials_dir
+
+    return _trials_dir()
+
+
+class HarborRolloutSession(ResourceSession):
+    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read."""
+
+    def __init__(self, env_url: str, *, split: str, task_index: int, task_name: str = "", instruction: str = "",
+                 llm_url: str = "", model: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
+                 agent_timeout_sec: float = 0.0, agent_step_limit: int = 0, purpose: str = "train",
+                 sampling: dict[str, Any] | None = None, eval_sampling: dict[str, Any] | None = None) -> None:
+        if purpose == "eval" and sampling is not None:
+            raise ValueError("an eval rollout takes eval_sampling, not sampling (OpenEnv refuses both together)")
+        if purpose == "train" and sampling is None:
+            raise ValueError("a training rollout needs the trainer's sampling policy (TRL passes it to the factory)")
+        self.env_url, self.split, self.task_index, self.task_name = env_url, split, task_index, task_name
+        self.instruction = instruction
+        self.call = {"harness": harness, "sandbox": sandbox, "llm_url": llm_url, "model": model,
+                     "agent_timeout_sec": float(agent_timeout_sec), "agent_step_limit": int(agent_step_limit),
+                     "purpose": purpose, "sampling": sampling, "eval_sampling": eval_sampling}
+        self.result: Any = None  # the env server's HarborRolloutResult, once the rollout returned
+        self.error = ""
+        self.timed_out = False
+        self._finished = False
+
+    # -- ResourceSession: the agent owns its loop inside the sandbox ------------------------------------------------
+    def initial_messages(self) -> list[dict[str, Any]]:
+        return [{"role": "user", "content": self.instruction}]
+
+    def list_tools(self) -> list[Any]:
+        return []
+
+    def call_tool(self, name: str, arguments: dict[str, Any]) -> ToolResult:
+        return ToolResult(error="OpenCode owns its tool loop inside the sandbox; the session has no tools")
+
+    # -- TrainableSession ---------------------------------------------------------------------------------------------
+    def wait_for_completion(self, timeout_s: float | None = None) -> int:
+        """Run the rollout: 0 when it ran and was graded, 1 when the env server reports it failed (`error` says why).
+
+        A client-side failure (the env server unreachable or restarted mid-call) raises. An agent that ran out of
+        time raises TimeoutError after the verifier graded it: TRL then trains its captured turns, flagged timed
+        out, with that reward. `timeout_s` is not used: Harbor enforces the agent timeout inside the rollout.
+        """
+        from openenv.harbor.client import HarborEnv
+
+        # One client per rollout: its MCP socket is not shareable.
+        env = HarborEnv(base_url=self.env_url, message_timeout_s=recipe.ROLLOUT_CALL_LIMIT_S,
+                        websocket_ping_timeout_s=recipe.ENV_PING_TIMEOUT_S)
+        try:
+            self.result = env.run_rollout(split=self.split, task_index=self.task_index,
+                                          **{k: v for k, v in self.call.items() if v is not None})
+        finally:
+            env.close()
+        if not self.result.ok and self.result.exception_type in VERIFIER_FAILURE_TYPES:
+            self.error = f"the verifier failed: {self.result.exception_type}: {self.result.error}"
+            return 0  # the agent ran to its end; verify() says what is missing
+        if not self.result.ok and self.result.exception_type in AGENT_TIMEOUT_TYPES:
+            self.timed_out = True
+            raise TimeoutError(f"agent timed out: {self.result.error or self.result.exception_type}")
+        if not self.result.ok:
+            self.error = str(self.result.error or "the env server reported the rollout failed")
+            return 1
+        return 0
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        """The rollout's exact-token capture as TRL trains it (openenv's contract; raises ValueError if untrainable)."""
+        from openenv.harbor.contract import to_training_trace
+
+        if self.result is None:
+            raise ValueError(f"no rollout result to take a trace from: {self.error or 'the rollout did not run'}")
+        return to_training_trace(self.result)
+
+    def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
+        """The verifier's reward, for a rollout that ran (or timed out) and was graded; None otherwise (unscorable).
+
+        A failed rollout may still carry a reward (openenv notes one with reward 1.0): it is not passed on. A verifier
+        that crashed raises, so the rollout is unscorable for its grade, not for the agent.
+        """
+        if self.result is not None and self.result.exception_type in VERIFIER_FAILURE_TYPES:
+            raise RuntimeError(self.error)
+        graded = self.result is not None and (self.result.ok or self.timed_out)
+        reward = self.result.reward if graded else None
+        return VerifyResult(env_reward=reward, done=True,
+                            metrics={"task_name": self.task_name, "trial": self.trial_name})
+
+    @property
+    def trial_name(self) -> str:
+        return str(getattr(self.result, "trial_name", "") or "")
+
+    @property
+    def trial_dir(self) -> Path | None:
+        """The env server's Harbor trial folder of this rollout (trial result, agent and verifier logs)."""
+        return trials_dir() / self.trial_name if self.trial_name else None
+
+    def close(self) -> None:
+        """The env server owns the sandbox (it is deleted when the trial ends); the trial folder is handled once."""
+        if self._finished or self.result is None:
+            return
+        self._finished = True
+        self._after_rollout(self.trial_dir, failed=not (self.result.ok or self.timed_out))
+
+    def _after_rollout(self, trial_dir: Path | None, *, failed: bool) -> None:
+        """The one place a finished rollout's trial folder is dealt with, after its trace and verdict were taken.
+
+        Kept as it is here until sandbox_lifecycle lands: that module times the trial's phases from Harbor's result
+        (`trial_timing`) and removes the folder, or keeps it for a failed rollout (`finish_trial`).
+        """
+
+
+class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
+    """Training sessions for the tasks of one env-server split; also the task list (`tasks`, `prompt_rows`)."""
+
+    def __init__(self, env_url: str, *, split: str = "", llm_url: str = "", model: str = "", harness: str = "opencode",
+                 sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = 0.0, agent_step_limit: int = 0,
+                 sampling: dict[str, Any] | None = None) -> None:
+        self.env_url, self.split = env_url.rstrip("/"), split
+        self.session_kwargs = {"llm_url": llm_url, "model": model, "harness": harness, "sandbox": sandbox,
+                               "agent_timeout_sec": agent_timeout_sec, "agent_step_limit": agent_step_limit}
+        self.sampling = sampling
+        self._tasks: list[dict[str, Any]] = []
+        self._by_key: dict[str, dict[str, Any]] = {}
+        self._lock = threading.Lock()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__dict__.update(state, _lock=threading.Lock())
+
+    def tasks(self) -> list[dict[str, Any]]:
+        """[{index, task_name, instruction}] of the split, fetched from the task API once (under a lock: TRL's pool
+        threads may all ask at once); the split is resolved to the server's first when none was named."""
+        with self._lock:
+            if not self._tasks:
+                from openenv.harbor.client import HarborEnv
+
+                with HarborEnv(base_url=self.env_url) as env:
+                    names = [str(s.get("name", "")) for s in env.splits()]
+                    if self.split and self.split not in names:
+                        raise recipe.ConfigError(f"the env server has no split {self.split!r}; it serves {names}")
+                    self.split = self.split or (names[0] if names else "")
+                    refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
+                tasks = [{"index": int(r.index), "task_name": r.task_name, "instruction": r.instruction} for r in refs]
+                self._by_key = {instruction_key(t["instruction"]): t for t in tasks}
+                self._tasks = tasks
+            return self._tasks
+
+    def prompt_rows(self) -> list[dict[str, Any]]:
+        """TRL's dataset rows: `create()` accepts exactly these prompts."""
+        return [{"prompt": [{"role": "user", "content": t["instruction"]}], "task_name": t["task_name"],
+                 "task_index": t["index"]} for t in self.tasks()]
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
+        """A training session for the task whose instruction is this prompt; KeyError for a prompt not served."""
+        self.tasks()
+        found = self._by_key.get(instruction_key(prompt_text(task)))
+        if found is None:
+            raise KeyError("this prompt matches no task on the env server: build the dataset from prompt_rows()")
+        return HarborRolloutSession(self.env_url, split=self.split, task_index=found["index"],
+                                    task_name=found["task_name"], instruction=found["instruction"],
+                                    purpose="train", sampling=self.sampling, **self.session_kwargs)
+
+    def eval_session(self, task_index: int, model: str, eval_sampling: dict[str, Any]) -> HarborRolloutSession:
+        """An eval session (`purpose="eval"`, explicit eval sampling, no training policy) for one task and model."""
+        kwargs = {**self.session_kwargs, "model": model}
+        return HarborRolloutSession(self.env_url, split=self.split, task_index=task_index, purpose="eval",
+                                    eval_sampling=eval_sampling, **kwargs)
+
+
+def check() -> str:
+    """Prove, in the job's own interpreter, that the installed openenv has what these sessions use and that they are
+    TrainableSessions by its protocol (TRL 1.15 would otherwise refuse the first rollout, after vLLM started)."""
+    from importlib import metadata
+
+    from openenv.core.harness import TrainableSession
+    from openenv.harbor.client import HarborEnv
+    from openenv.harbor.contract import to_training_trace
+
+    missing = [name for name in ("run_rollout", "get_task_range", "splits") if not callable(getattr(HarborEnv, name))]
+    if missing or not callable(to_training_trace) or not issubclass(HarborRolloutSession, TrainableSession):
+        raise recipe.ConfigError(
+            f"openenv {metadata.version('openenv')} does not carry what harbor_sessions.py needs (HarborEnv lacks "
+            f"{missing or 'nothing'}; TrainableSession: {issubclass(HarborRolloutSession, TrainableSession)}): "
+            "install the recipe's pinned openenv")
+    return f"harbor_sessions: sessions are trainable on openenv {metadata.version('openenv')} (HarborEnv.run_rollout)"
+
+
+if __name__ == "__main__":
+    import sys
+
+    if sys.argv[1:] != ["check"]:
+        sys.exit("usage: python3 harbor_sessions.py check")
+    try:
+        print(check())
+    except recipe.ConfigError as error:
+        sys.exit(f"harbor_sessions: {error}")

@@ -1,0 +1,350 @@
+"""The real rollout chain: `openenv harbor serve` (openenv 0.10.0) -> Harbor 0.25's Trial -> the OpenCode 1.18.33
+binary -> the capture proxy -> the task's own tests/test.sh + grader.py, driven through harbor_sessions.py (the
+session client the trainer and the eval use) and rollout_guard.
+
+Only the remote pieces are stood in for (tests/chain/): the HF Sandbox (bubblewrap + overlayfs over the image root
+setup.sh builds, registered in the env server's process for `hf-sandbox`), the data bucket (loopback HTTP) and vLLM
+(tests/rehearsal/policy_server.py with a Script: the tiny model's tokens and its real logprobs for them). Tasks are
+made by prepare_tasks.py from the synthetic fixture, so the server serves prepared tasks (docker_image, 1 CPU/4 GB).
+One server and one policy for the module; rollouts run concurrently. Needs root, bubblewrap and the image root
+(`bash setup.sh`); without them the module is skipped, and under CI=true it fails.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pytest
+
+import recipe
+
+ROOT = Path(__file__).resolve().parents[1]
+IMAGE_ROOT = ROOT / ".chain-image" / "root"
+MODEL = recipe.SERVED_MODEL_NAME
+RIGHT, WRONG = "4.2", "7.5"  # harbor_fixture's EXPECTED_ANSWER, and one the grader refuses
+AGENT_TIMEOUT_S = 240.0  # far above a scripted rollout's need, on a loaded 2-core machine too
+
+
+def missing() -> str:
+    """What the chain needs here and does not have ('' when all is there)."""
+    if os.geteuid() != 0:
+        return "root (overlay mounts)"
+    if not shutil.which("bwrap"):
+        return "bubblewrap (apt-get install bubblewrap, or bash setup.sh)"
+    if not (IMAGE_ROOT / "usr" / "local" / "bin" / "opencode").exists():
+        return "the sandbox image root (bash setup.sh builds .chain-image/root)"
+    return ""
+
+
+if missing():
+    if os.environ.get("CI") == "true":
+        pytest.fail(f"the rollout chain cannot run: missing {missing()}", pytrace=False)
+    pytest.skip(f"the rollout chain needs {missing()}", allow_module_level=True)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
+        try:
+            if httpx.get(url, timeout=5).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise TimeoutError(url)
+
+
+class Chain:
+    """The module's env server, policy and bucket, and a way to run rollouts through harbor_sessions + the guard."""
+
+    def __init__(self, root: Path, tasks: Path, policy, bucket, env_url: str, server: subprocess.Popen) -> None:
+        self.root, self.tasks, self.policy, self.bucket = root, tasks, policy, bucket
+        self.env_url, self.server = env_url, server
+        self.names = sorted(p.name for p in (tasks / "train" / "tasks").iterdir())
+
+    def factory(self, **overrides):
+        from openenv.core.harness.capture.upstream import training_sampling
+
+        import harbor_sessions
+
+        kwargs = {"llm_url": self.policy.url, "model": MODEL, "sandbox": recipe.SANDBOX,
+                  "agent_timeout_sec": AGENT_TIMEOUT_S, "agent_step_limit": recipe.AGENT_CALL_LIMIT,
+                  "sampling": training_sampling({"temperature": recipe.TEMPERATURE}), **overrides}
+        return functools.partial(harbor_sessions.HarborSessionFactory, self.env_url, **kwargs)
+
+    def rollouts(self, plan: list[str], ledger: Path, **overrides) -> tuple[list[tuple], dict]:
+        """One rollout per entry of `plan` (task names), all at once, through rollout_guard as TRL's worker runs
+        them (create, wait, trace, verify, close); returns [(task, session, trace or the failure, reward)] and the
+        ledger."""
+        import rollout_guard
+
+        factory = self.factory(**overrides)
+        guarded = rollout_guard.guarded(factory, ledger)(sampling=factory.keywords["sampling"])
+        prompts = {r["task_name"]: r["prompt"] for r in guarded.prompt_rows()}
+
+        def one(task: str) -> tuple:
+            try:
+                session = guarded.create(prompts[task])
+            except rollout_guard.RolloutFailure as error:
+                return task, None, error, None
+            try:
+                try:
+                    session.wait_for_completion()
+                except TimeoutError:
+                    pass  # TRL trains the captured turns, flagged timed out
+                except rollout_guard.RolloutFailure as error:
+                    return task, session, error, None  # TRL scores it unscorable
+                try:
+                    trace = session.fetch_training_trace()
+                    reward = session.verify([]).env_reward
+                except rollout_guard.RolloutFailure as error:
+                    trace, reward = error, None
+                return task, session, trace, reward
+            finally:
+                session.close()
+
+        with ThreadPoolExecutor(max_workers=len(plan)) as pool:
+            out = list(pool.map(one, plan))
+        return out, rollout_guard.read_ledger(ledger)
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    from chain.bucket import Bucket
+    from harbor_fixture import BUCKET, materialized
+    from rehearsal.policy_server import PolicyServer, Script
+    from tiny_lfm2 import save_tiny_model
+
+    root = tmp_path_factory.mktemp("chain")
+    tasks = materialized(root, n_medium=5, n_hard=4, n_test=1)
+    names = sorted(p.name for p in (tasks / "train" / "tasks").iterdir())
+    bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": b"x\n4.0\n4.4\n"} for name in names})
+    model_dir = save_tiny_model(root / "model")
+    modes = {names[0]: ["right", "wrong", "none", "malformed", "right", "wrong", "right", "none"],  # the group
+             **{name: ["right"] for name in names[1:8]}, names[8]: ["loop"]}
+    policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=262144,
+                          script=Script(modes, RIGHT, WRONG))
+    policy.start()
+    env_port, capture_port = free_port(), free_port()
+    env = {**{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "SPACE_HOST")},
+           "HOME": str(root / "home"), "ENABLE_WEB_INTERFACE": "false", "MAX_CONCURRENT_ENVS": "16",
+           "OPENENV_HARBOR_AGENT_VERSIONS": json.dumps({"opencode": recipe.OPENCODE_VERSION}),
+           "OPENENV_HARBOR_TRIALS_DIR": str(root / "trials"), "CHAIN_SANDBOX_DIR": str(root / "sandboxes"),
+           "CHAIN_IMAGES": json.dumps({recipe.TASK_IMAGE: [str(IMAGE_ROOT)]}), "CHAIN_HF_ENDPOINT": bucket.url,
+           "CHAIN_FAULTS_FILE": str(root / "faults.json"),
+           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # Harbor's LiteLLM would fetch its price list from GitHub
+    argv = [sys.executable, str(ROOT / "tests" / "chain" / "serve.py"), "serve", "--", "harbor", "serve",
+            "--llm-url", policy.url, "--model", MODEL, "--host", "127.0.0.1", "--port", str(env_port),
+            "--capture-port", str(capture_port), "--expose", "direct", "--max-output-tokens", str(recipe.MAX_TOKENS),
+            "--dataset", str(tasks / "train")]
+    chain = Chain(root, tasks, policy, bucket, f"http://127.0.0.1:{env_port}", None)
+    chain.start = lambda: subprocess.Popen(argv, env=env, stdout=(root / "env_server.log").open("a"),
+                                           stderr=subprocess.STDOUT)
+    chain.server = chain.start()
+    try:
+        wait_up(f"{chain.env_url}/health", chain.server)
+        yield chain
+    finally:
+        chain.server.terminate()
+        try:
+            chain.server.wait(timeout=20)
+        except subprocess.TimeoutExpired:
+            chain.server.kill()
+        policy.stop()
+        bucket.stop()
+        for merged in (root / "sandboxes").glob("*/merged"):  # trials the killed env server left mounted
+            subprocess.run(["umount", "-l", str(merged)], capture_output=True)
+
+
+@pytest.fixture(scope="module")
+def played(chain, tmp_path_factory):
+    """One GRPO group: NUM_GENERATIONS rollouts of one task at once, the policy playing a different agent in each
+    (right, wrong, no answer, malformed tool call)."""
+    plan = [chain.names[0]] * recipe.NUM_GENERATIONS
+    start = time.monotonic()
+    out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("ledger") / "rollouts.json")
+    wall = time.monotonic() - start
+    for task, session, _, reward in out:
+        result = session.result if session else None
+        print(f"chain rollout {task}: {kind(session)}, reward {reward}, {getattr(result, 'wall_s', None)} s, "
+              f"error {getattr(result, 'error', None)}")
+    print(f"chain: a group of {len(plan)} concurrent rollouts in {wall:.0f} s")
+    return {"out": out, "ledger": ledger, "wall": wall}
+
+
+def kind(session) -> str:
+    """Which agent the policy played in this rollout, read off what its first model call returned."""
+    first = session.result.turns[0] if session and session.result and session.result.turns else None
+    agent = [t for t in session.result.turns if t.role == "agent"] if first else []
+    if not agent:
+        return "none-captured"
+    calls = agent[0].tool_calls
+    if calls:
+        content = json.loads(calls[0]["arguments"]).get("content") if isinstance(calls[0]["arguments"], str) \
+            else calls[0]["arguments"].get("content")
+        return {RIGHT: "right", WRONG: "wrong"}.get(content, "other")
+    return "malformed" if "<|tool_call_start|>" in agent[0].text else "none"
+
+
+def of_kind(played, wanted: str) -> list[tuple]:
+    return [(s, t, r) for _, s, t, r in played["out"] if kind(s) == wanted]
+
+
+def check_trace(chain, session, trace, agent_turns: int) -> None:
+    """The trace is the agent's turns only, each masked to its completion, with the tiny model's real logprobs for
+    the tokens its tokenizer makes, and TRL chains it into one clean sequence."""
+    import torch
+
+    import rollout_guard
+
+    result = session.result
+    assert result.rollout_type == "train" and result.ok, result.error
+    assert len(trace.turns) == agent_turns
+    assert result.n_turns == agent_turns + 1  # OpenCode's title call was captured too, and left out (auxiliary)
+    assert [c.role for c in result.conversations].count("auxiliary") == 1
+    eos = chain.policy.tokenizer.eos_token_id
+    for turn in trace.turns:
+        assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
+        assert turn.completion_token_ids[-1] == eos
+    assert len(rollout_guard._trl_sequences(trace)) == 1  # each prompt extends the previous prompt + completion
+    # The served model scored afresh, no cache, in one pass over the last turn: it holds every earlier turn.
+    last = trace.turns[-1]
+    sequence = list(last.prompt_token_ids) + list(last.completion_token_ids)
+    with torch.inference_mode():
+        logprobs = torch.log_softmax(chain.policy.model(input_ids=torch.tensor([sequence])).logits[0].float(), -1)
+    for turn in trace.turns:
+        at = len(turn.prompt_token_ids)
+        ids = torch.tensor(turn.completion_token_ids)
+        assert sequence[at:at + len(ids)] == turn.completion_token_ids
+        expected = logprobs[at - 1 + torch.arange(len(ids)), ids]
+        assert torch.allclose(torch.tensor(turn.per_token_logps), expected, atol=1e-4)
+
+
+def test_a_right_answer_scores_one_with_a_clean_trainable_trace(chain, played, monkeypatch):
+    right = of_kind(played, "right")
+    assert right and all(reward == 1.0 for _, _, reward in right)
+    session, trace, _ = right[0]
+    check_trace(chain, session, trace, agent_turns=2)  # the write call, then the final message
+    assert trace.turns[0].response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "write"
+    # The session finds the env server's Harbor trial folder by openenv's own rule (the job runs both with one env).
+    monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
+    assert (session.trial_dir / "verifier" / "reward.txt").read_text().strip() == "1.0"
+
+
+def test_a_wrong_answer_scores_zero_with_a_clean_trainable_trace(chain, played):
+    wrong = of_kind(played, "wrong")
+    assert wrong and all(reward == 0.0 for _, _, reward in wrong)
+    check_trace(chain, *wrong[0][:2], agent_turns=2)
+
+
+def test_no_answer_scores_zero_with_one_trainable_turn(chain, played):
+    none = of_kind(played, "none") + of_kind(played, "malformed")
+    assert len(none) == 3 and all(reward == 0.0 for _, _, reward in none)
+    check_trace(chain, *none[0][:2], agent_turns=1)
+
+
+def test_a_concurrent_group_of_eight_is_scored_with_contrast(chain, played):
+    kinds = sorted(kind(s) for _, s, _, _ in played["out"])
+    assert kinds == sorted(chain.policy.script.modes[chain.names[0]])  # every rollout played one agent
+    rewards = [r for _, _, _, r in played["out"]]
+    assert sorted(rewards) == sorted(1.0 if k == "right" else 0.0 for k in kinds)
+    assert 0.0 in rewards and 1.0 in rewards  # a GRPO group with contrast
+    ledger = played["ledger"]
+    assert (ledger["rollouts"], ledger["scored"], ledger["unscorable_total"]) == (recipe.NUM_GENERATIONS,) * 2 + (0,)
+
+
+# --- Faults: each rollout ends as its class in rollout_guard's ledger -----------------------------------------------
+def test_an_env_server_restart_fails_the_rollout_in_flight_as_a_rollout_failure(chain, tmp_path):
+    import threading
+
+    trials = chain.root / "trials"
+    before = set(trials.iterdir()) if trials.exists() else set()
+    result: dict = {}
+    worker = threading.Thread(target=lambda: result.update(
+        zip(("out", "ledger"), chain.rollouts([chain.names[1]], tmp_path / "rollouts.json"), strict=True)))
+    worker.start()
+    deadline = time.monotonic() + 300
+    while not (set(trials.iterdir()) - before if trials.exists() else set()):  # the rollout's trial has begun
+        assert time.monotonic() < deadline and worker.is_alive()
+        time.sleep(0.5)
+    chain.server.kill()  # the env server dies mid-rollout (OOM, a crash), and comes back
+    chain.server.wait()
+    chain.server = chain.start()
+    worker.join(timeout=300)
+    (_, session, _, reward), = result["out"]
+    assert reward is None and session.failure == "rollout", session.error
+    assert (result["ledger"]["rollouts"], result["ledger"]["unscorable"]["rollout"]) == (1, 1)
+    wait_up(f"{chain.env_url}/health", chain.server)  # back: the fault rollouts below run on the restarted server
+    assert len(chain.factory()().prompt_rows()) == len(chain.names)
+
+
+FAULT_AGENT_TIMEOUT_S = 30.0
+
+
+@pytest.fixture(scope="module")
+def faulted(chain, tmp_path_factory):
+    """Five faulty rollouts at once, one per task: the sandbox does not start, the healthcheck fails (the task's data
+    is not in the bucket), OpenCode's install fails (the image has another OpenCode, so Harbor's own install runs and
+    cannot reach GitHub), the verifier crashes, the agent loops until its timeout."""
+    start, health, install, verifier, loop = chain.names[4:9]  # 1-3: the env-server restart
+    stale = tmp_path_factory.mktemp("stale-opencode")
+    (stale / "usr" / "local" / "bin").mkdir(parents=True)
+    (stale / "usr" / "local" / "bin" / "opencode").write_text("#!/bin/sh\necho 1.0.0\n")
+    (stale / "usr" / "local" / "bin" / "opencode").chmod(0o755)
+    (chain.root / "faults.json").write_text(json.dumps({start: {"start": "image pull failed (injected)"},
+                                                        install: {"layers": [str(stale)]}}))
+    del chain.bucket.files[f"user__{health}"]
+    toml = chain.tasks / "train" / "tasks" / health / "task.toml"
+    toml.write_text(toml.read_text().replace("retries = 30", "retries = 1").replace("interval_sec = 2.0",
+                                                                                      "interval_sec = 0.5"))
+    crash = "#!/bin/bash\necho grader crashed >&2\nexit 3\n"
+    (chain.tasks / "train" / "tasks" / verifier / "tests" / "test.sh").write_text(crash)
+    plan = [start, health, install, verifier, loop]
+    began = time.monotonic()
+    out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("faults") / "rollouts.json",
+                                 agent_timeout_sec=FAULT_AGENT_TIMEOUT_S)
+    print(f"chain faults: {len(plan)} concurrent rollouts in {time.monotonic() - began:.0f} s")
+    for task, session, _, reward in out:
+        print(f"chain fault {task}: reward {reward}, {getattr(session, 'failure', None)}: "
+              f"{getattr(session, 'error', '')}")
+    return dict(zip(("start", "healthcheck", "install", "verifier", "timeout"), out, strict=True)), ledger
+
+
+@pytest.mark.parametrize(("fault", "failure", "says"), [
+    ("start", "rollout", "image pull failed"),
+    ("healthcheck", "rollout", "ealth"),
+    ("install", "rollout", "install"),
+    ("verifier", "verifier", "RewardFileNotFoundError"),
+])
+def test_a_fault_in_the_real_chain_is_one_unscorable_rollout_of_its_class(faulted, fault, failure, says):
+    (_, session, _, reward), ledger = faulted[0][fault], faulted[1]
+    assert reward is None and session.failure == failure, (session.failure, session.error)
+    assert says in session.error
+    assert ledger["unscorable"][failure] >= 1
+
+
+def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):
+    (_, session, trace, reward), ledger = faulted[0]["timeout"], faulted[1]
+    assert session.failure is None and session.timed_out and reward == 0.0
+    assert len(trace.turns) >= 1  # the turns it made before the timeout are trained
+    assert (ledger["rollouts"], ledger["scored"], ledger["timed_out"]) == (5, 1, 1)
+    assert ledger["unscorable"] == {"create": 0, "rollout": 3, "capture": 0, "empty_trace": 0, "verifier": 1}
