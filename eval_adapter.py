@@ -11,9 +11,9 @@ the base model under its own name and the adapter as a runtime-loaded LoRA.
 
 Results are rewritten atomically after every cell and pushed every recipe.EVAL_PUSH_EVERY cells, so
 a killed eval (or a fresh job) re-runs only cells without a result. A graded rollout counts with its grade,
-also when its agent timed out or exited non-zero (`graded_reward`); an unscorable cell (no grade: the rollout
-did not run, no agent turn reached the model, or the verifier wrote no reward: infrastructure, not a wrong
-answer) is kept apart and retried up to recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json
+also when its agent timed out or exited non-zero (harbor_sessions.graded_reward); an unscorable cell (no grade:
+the rollout did not run, no agent turn reached the model, or the verifier wrote no reward: infrastructure, not a
+wrong answer) is kept apart and retried up to recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json
 in the adapter repo (eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
 """
 
@@ -195,22 +195,6 @@ def is_correct(reward: float) -> bool:
     return reward >= 1.0
 
 
-def graded_reward(result: Any) -> float | None:
-    """The grade a finished rollout earned the policy, or None when it has none (unscorable: infrastructure).
-
-    Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
-    (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
-    reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
-    or the proxy refused it: the verifier graded an untouched workspace) is no grade. The eval and rollout_guard
-    both decide with this.
-    """
-    reward = getattr(result, "reward", None)
-    turns = getattr(result, "turns", None) or []
-    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
-        return None
-    return float(reward)
-
-
 def submitted_max_tokens(result: Any) -> int | None:
     """Largest output cap the proxy actually sent to vLLM in this rollout, if it reported one."""
     caps = [t.sampling_params.get("max_tokens") for t in getattr(result, "turns", None) or []]
@@ -243,12 +227,14 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
     if session is not None:
         try:
             session.wait_for_completion()
-            result = session.result
         except Exception as exc:  # noqa: BLE001 - one failed rollout is one unscorable cell
             error = f"rollout: {type(exc).__name__}: {exc}"
-        finally:
+        finally:  # an agent that timed out raised, yet Harbor graded it: its result counts (graded_reward)
+            result = getattr(session, "result", None)
             session.close()
     check_output_cap(result)
+    from harbor_sessions import graded_reward  # the session client's rule; openenv is loaded by now
+
     reward = graded_reward(result)
     scored = reward is not None
     turns = [t for t in (getattr(result, "turns", None) or []) if t.role == "agent" and not t.discarded]

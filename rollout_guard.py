@@ -5,8 +5,8 @@ TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollou
 `fetch_training_trace()` (or from reconciling its turns) into CaptureContractError, which stops the rollout worker
 and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
 with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward. Such a
-rollout fails here only when it has no grade (eval_adapter.graded_reward, the eval's rule): a graded one (an agent
-that timed out or exited non-zero) trains with its grade, if its capture passes the checks below.
+rollout fails here only when it has no grade (harbor_sessions.graded_reward, the eval's rule too): a graded one
+(an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below.
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
@@ -196,7 +196,7 @@ class GuardedSession:
             raise self._fail("rollout", _describe(error)) from error
         finally:
             self._waiting, self._waited = False, True
-        from eval_adapter import graded_reward  # here, not at the top: the launcher imports this module, never httpx
+        from harbor_sessions import graded_reward  # here, not at the top: the launcher imports this module, not openenv
 
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
         if code and graded_reward(result) is None:  # graded (a timed-out or non-zero agent exit): trained as graded

@@ -207,6 +207,32 @@ def test_a_graded_rollout_counts_with_its_grade_though_its_agent_timed_out(tmp_p
     assert all(c["rollout_error"] == "Agent execution timed out after 600.0 seconds" for c in timed_out)
 
 
+def test_the_session_clients_timed_out_rollout_counts_with_its_grade_in_the_eval(monkeypatch):
+    """harbor_sessions' session raises TimeoutError for an agent that ran out of time (TRL's contract, for training),
+    after Harbor graded it: the eval cell takes the grade from the session's result, not from the exception."""
+    import harbor_sessions
+    from openenv.harbor import client
+
+    class OneRollout:  # openenv's HarborEnv as the session calls it; answers what openenv 0.10.0 returns for a timeout
+        def __init__(self, base_url: str, message_timeout_s: float, websocket_ping_timeout_s: float) -> None:
+            pass
+
+        def run_rollout(self, **call):
+            return _timed_out(1.0)
+
+        def close(self) -> None:
+            pass
+
+    monkeypatch.setattr(client, "HarborEnv", OneRollout)
+
+    def factory(task, model):
+        return harbor_sessions.HarborRolloutSession("http://127.0.0.1:9", split="test", task_index=task,
+                                                    purpose="eval", eval_sampling=ea.eval_sampling())
+
+    cell = ea.run_cell(factory, 0, recipe.SERVED_MODEL_NAME)
+    assert (cell["reward"], cell["correct"], cell["unscorable"], cell["error"]) == (1.0, True, False, None)
+
+
 def test_a_rollout_whose_agent_never_reached_the_model_is_unscorable_though_graded(tmp_path, monkeypatch):
     """OpenEnv's own run_rollout (only Harbor's trial is a stand-in: no sandbox here): the agent exits non-zero before
     any model call (e.g. the proxy refused its key) and the verifier grades the untouched workspace 0. The policy did
