@@ -86,7 +86,12 @@ build_chain_image() {
   echo "setup.sh: building the sandbox image root in $CHAIN_IMAGE (about 2 minutes)"
   rm -rf "$new"
   mkdir -p "$CHAIN_IMAGE"
-  PATH="$PATH:/usr/sbin:/sbin" debootstrap --variant=minbase bookworm "$new" http://deb.debian.org/debian >"$CHAIN_IMAGE/build.log" 2>&1
+  local mirror suite
+  mirror="$(apt_mirror)"; suite="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
+  if [ -z "$mirror" ] || [ -z "$suite" ]; then
+    chain_missing "no Debian mirror or release found in apt's sources and /etc/os-release for debootstrap" || return 0
+  fi
+  PATH="$PATH:/usr/sbin:/sbin" debootstrap --variant=minbase "$suite" "$new" "$mirror" >"$CHAIN_IMAGE/build.log" 2>&1
   mkdir -p "$new/usr/local/share/ca-certificates"
   cp /usr/local/share/ca-certificates/*.crt "$new/usr/local/share/ca-certificates/" 2>/dev/null || true
   {
@@ -103,6 +108,12 @@ build_chain_image() {
   rm -rf "$root"
   mv "$new" "$root"
   echo "$stamp" >"$CHAIN_IMAGE/stamp"
+}
+
+# The Debian mirror this machine's apt installs from (its deb822 or one-line sources): the root comes from there too.
+apt_mirror() {
+  { sed -n 's|^URIs: *\([^ ]*/debian\)/*$|\1|p' /etc/apt/sources.list.d/*.sources
+    sed -n 's|^deb  *\([^ ]*/debian\)/* .*|\1|p' /etc/apt/sources.list; } 2>/dev/null | head -n 1
 }
 
 # Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).
