@@ -111,16 +111,34 @@ LEARNING_RATE = 1e-6
 # the hours per step (step budget) are per 8 rows, and the card's step count is rows / 8, not tasks seen.
 MAX_STEPS = 1000
 # Smoke run (launch.py smoke, run_job.sh MODE=smoke): every stage of the real job at small scale. The recipe's own
-# "MAX_STEPS=20 gives a ~40-min smoke run — do that first"; more than MAX_STALENESS, so the rollout queue runs ahead
-# of the trainer as it will in the real run. A smaller MAX_STEPS may be asked for, down to SMOKE_MIN_STEPS (a
-# checkpoint, a stop, a resume and a step after it); a larger one is refused. The job's cap follows from the
-# stage budget below (smoke_report.plan).
+# "MAX_STEPS=20 gives a ~40-min smoke run — do that first"; more than the groups in flight (MAX_INFLIGHT_ROLLOUTS /
+# NUM_GENERATIONS = 4), so the rollout queue runs ahead of the trainer as it will in the real run (its samples stay far
+# below MAX_STALENESS). A smaller MAX_STEPS may be asked for, down to SMOKE_MIN_STEPS (a checkpoint, a stop, a resume
+# and a step after it); a larger one is refused. The job's cap follows from the stage budget below
+# (smoke_report.plan).
 SMOKE_STEPS = 20
 SMOKE_MIN_STEPS = 2
 NUM_GENERATIONS = 8  # One GRPO group: 8 rollouts of one task, one advantage baseline (a step: see MAX_STEPS).
-MAX_STALENESS = 4
-# Rollouts in flight at once, one HF Sandbox each (train_lora gives TRL's worker this number).
+# Rollouts in flight and staleness were chosen with benchmarks/rollout_pipeline.py (TRL 1.15's own worker, stale drop
+# and step loop; its table and command are in benchmarks/README.md): at least 95% of finished rollouts trained, then
+# the most steps per hour for the sandboxes in flight. With ~8-minute rollouts and a 35-50 s step the sandboxes set
+# the pace (the trainer waits 56-88% of the time), so steps per hour are the trained share x sandbox throughput.
+# 32 sandboxes in flight (4 groups, one HF Sandbox each): the recipe's sandbox budget, kept, since fewer would only
+# idle the trainer longer. Set explicitly (train_lora gives TRL's worker this number), not TRL's MAX_STALENESS x 8.
 MAX_INFLIGHT_ROLLOUTS = 32
+# A group's version is stamped when its first rollout starts and the group is trained only after its slowest rollout,
+# while the other 3 groups in flight keep finishing, each one a step. At 4 (TRL's default, the recipe's first value)
+# TRL dropped 31-55% of finished rollouts as stale (44% lognormal) and ran 10-21 steps/hour; at 8, 23-31% on the
+# three spread-out distributions; at 12 and 16 the exponential one still lost 17% and 5% (9% with the recipe's own
+# batching). 24 trained 100% of them on all five distributions, with the recipe's batching too, at 24 steps/hour on
+# lognormal instead of 14 (41 h for 1,000 steps instead of 71).
+# The importance ratio: each token's ratio is pi_trainer / pi_sampled, pi_sampled being the policy vLLM sampled it
+# with, now up to 24 versions old (25 for a step's first sample: TRL checks it one fetch early). Under
+# full-vocabulary sampling its expectation is exactly 1 at any staleness (E_q[p/q] = 1), so the step mean TRL logs as
+# `ratio` and the band below (RATIO_MIN-RATIO_MAX, checked on it by smoke_report.ratio_band; the rehearsal's own band
+# is for its random model) keep their meaning: staleness widens the per-token spread (clip_ratio/*,
+# ratio/sample_min|max), which TRL's clipped objective bounds, not the mean.
+MAX_STALENESS = 24
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
 
 # --- Reward ------------------------------------------------------------------

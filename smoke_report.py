@@ -78,9 +78,9 @@ def checkpoint_steps(steps: int = recipe.SMOKE_STEPS, save_steps: int | None = N
 
 
 def inflight_groups() -> int:
-    """GRPO groups in flight at once (train_lora.grpo_config's max_inflight_tasks over NUM_GENERATIONS): in the
-    worst case they finish together, one wave per SMOKE_SLOW_WAVE_S."""
-    return max(1, recipe.MAX_STALENESS)
+    """GRPO groups in flight at once (MAX_INFLIGHT_ROLLOUTS over NUM_GENERATIONS): in the worst case they finish
+    together, one wave per SMOKE_SLOW_WAVE_S."""
+    return max(1, recipe.MAX_INFLIGHT_ROLLOUTS // recipe.NUM_GENERATIONS)
 
 
 def waves(groups: int, per_wave: int) -> int:

@@ -110,19 +110,22 @@ class SimClock:
         real = time.time()
         return real - frozen - max(0.0, real - freeze_at)
 
-    def run_until(self, freeze_at: float) -> None:
-        """Trainer side: account the freeze so far, then let the clock run until real time `freeze_at`."""
+    def run_until(self, freeze_at: float) -> float:
+        """Trainer side: account the freeze so far, let the clock run until real time `freeze_at`; returns the
+        simulated time of the change (so that no running instant goes unaccounted between a change and a read)."""
         frozen, old = self._read() if self.path.exists() else (0.0, time.time())
         real = time.time()
+        frozen += max(0.0, real - old)
         temp = self.path.with_name(self.path.name + ".tmp")
-        temp.write_text(f"{frozen + max(0.0, real - old)!r} {max(freeze_at, real)!r}")
+        temp.write_text(f"{frozen!r} {max(freeze_at, real)!r}")
         os.replace(temp, self.path)
+        return real - frozen
 
-    def freeze(self) -> None:
-        self.run_until(time.time())
+    def freeze(self) -> float:
+        return self.run_until(time.time())
 
-    def run(self) -> None:
-        self.run_until(math.inf)
+    def run(self) -> float:
+        return self.run_until(math.inf)
 
     def sleep(self, seconds: float, interrupted: threading.Event) -> None:
         """Session side: wait `seconds` of simulated time (or until `interrupted`)."""
@@ -143,13 +146,11 @@ class ClockedQueue:
         self.waits: list[tuple[float, float]] = []
 
     def get(self, timeout: float | None = None) -> Any:
-        self.clock.run()
-        began = self.clock.now()
+        began = self.clock.run()
         try:
             return self.queue.get(timeout=timeout)
         finally:
-            self.clock.freeze()
-            ended = self.clock.now()
+            ended = self.clock.freeze()
             self.waits.append((ended, ended - began))
 
     def qsize(self) -> int:
@@ -233,8 +234,7 @@ class StepClock(TrainerCallback):
         self.computes.append(compute)
         if compute < self.step_s:
             time.sleep(self.step_s - compute)
-        self.clock.freeze()
-        self.ends.append(self.clock.now())
+        self.ends.append(self.clock.freeze())
         if state.global_step >= self.steps or time.time() > self.deadline:
             control.should_training_stop = True
 

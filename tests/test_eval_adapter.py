@@ -210,8 +210,9 @@ def test_a_graded_rollout_counts_with_its_grade_though_its_agent_timed_out(tmp_p
 def test_the_session_clients_timed_out_rollout_counts_with_its_grade_in_the_eval(monkeypatch):
     """harbor_sessions' session raises TimeoutError for an agent that ran out of time (TRL's contract, for training),
     after Harbor graded it: the eval cell takes the grade from the session's result, not from the exception."""
-    import harbor_sessions
     from openenv.harbor import client
+
+    import harbor_sessions
 
     class OneRollout:  # openenv's HarborEnv as the session calls it; answers what openenv 0.10.0 returns for a timeout
         def __init__(self, base_url: str, message_timeout_s: float, websocket_ping_timeout_s: float) -> None:

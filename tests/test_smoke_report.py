@@ -26,7 +26,8 @@ def test_the_smoke_is_the_recipes_twenty_steps_with_checkpoints_a_stop_and_a_res
     plan = smoke_report.plan()
     assert plan["steps"] == recipe.SMOKE_STEPS == 20  # the recipe's "MAX_STEPS=20 gives a ~40-min smoke run"
     assert plan["checkpoints"] == [5, 10, 15, 20] and plan["resume_at"] == 5 == plan["save_steps"]
-    assert plan["steps"] > recipe.MAX_STALENESS  # the rollout queue runs ahead of the trainer, as in the real run
+    # More steps than groups in flight: the rollout queue runs ahead of the trainer, as in the real run.
+    assert plan["steps"] > recipe.MAX_INFLIGHT_ROLLOUTS // recipe.NUM_GENERATIONS == smoke_report.inflight_groups()
     # Every stage of the real job is budgeted, in run order.
     assert [s["stage"] for s in plan["stages"]] == ["job-start", "install", "prepare", "servers", "train", "resume",
                                                     "final-eval", "report"]
