@@ -32,7 +32,7 @@ SCRIPT = "export_adapter.py"
 # --- inputs -------------------------------------------------------------------------------------------------
 def checked_args(args: argparse.Namespace) -> None:
     """Names well-formed before anything is downloaded, merged or pushed."""
-    recipe.checkpoint_name(args.checkpoint, "CHECKPOINT")
+    recipe.checkpoint_arg(args.checkpoint, "CHECKPOINT")
     if not args.source:
         raise recipe.ConfigError("--source is not set: pass the training repo id (or ADAPTER_REPO=you/...) or a folder")
     if not Path(args.source).is_dir():

@@ -95,6 +95,7 @@ class HarborRolloutSession(ResourceSession):
         self.result: Any = None  # the env server's HarborRolloutResult, once the rollout returned
         self.error = ""
         self.timed_out = False
+        self.timing: dict[str, float] = {}  # the trial's phases in seconds (sandbox_lifecycle.trial_timing), at close
         self._finished = False
 
     # -- ResourceSession: the agent owns its loop inside the sandbox ------------------------------------------------
@@ -171,11 +172,15 @@ class HarborRolloutSession(ResourceSession):
         self._after_rollout(self.trial_dir, failed=not (self.result.ok or self.timed_out))
 
     def _after_rollout(self, trial_dir: Path | None, *, failed: bool) -> None:
-        """The one place a finished rollout's trial folder is dealt with, after its trace and verdict were taken.
+        """The one place a finished rollout's trial folder is dealt with, after its trace and verdict were taken:
+        its phases are timed from Harbor's result (the guard's ledger records them), then the folder is removed, or
+        kept for a failed rollout within the disk budget (sandbox_lifecycle)."""
+        import sandbox_lifecycle
 
-        Kept as it is here until sandbox_lifecycle lands: that module times the trial's phases from Harbor's result
-        (`trial_timing`) and removes the folder, or keeps it for a failed rollout (`finish_trial`).
-        """
+        if trial_dir is None:
+            return
+        self.timing = sandbox_lifecycle.trial_timing(trial_dir)
+        sandbox_lifecycle.finish_trial(trial_dir, failed=failed)
 
 
 class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):

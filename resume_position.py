@@ -22,7 +22,6 @@ from __future__ import annotations
 import inspect
 import itertools
 import json
-import os
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker, _AsyncRolloutLoop
 
+import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
 from run_metrics import CountingRolloutLoop, RecipeRolloutWorker
 
@@ -68,12 +68,6 @@ def next_position(start: int, consumed: Iterable[int]) -> dict[str, Any]:
     return {"prompt_index": start + first, CONSUMED_AHEAD: sorted(g - first for g in done if g > first)}
 
 
-def _write_json(path: Path, value: Any) -> None:
-    temp = path.with_name(f".{path.name}.tmp")
-    temp.write_text(json.dumps(value))
-    os.replace(temp, path)
-
-
 class PositionedRolloutLoop(CountingRolloutLoop):
     """The recipe's rollout loop (run_metrics), resuming after every consumed group and reporting empty ones."""
 
@@ -99,7 +93,7 @@ class PositionedRolloutLoop(CountingRolloutLoop):
         samples = await super()._score_group(group)
         if not samples and self._empty_file is not None:  # every rollout unscorable: the trainer never sees it
             self._empty.add(group.group_id)
-            _write_json(self._empty_file, sorted(self._empty))
+            recipe.write_json(self._empty_file, sorted(self._empty))
         return samples
 
 
@@ -129,6 +123,10 @@ class ResumePosition:
     """Mixed in before an AsyncGRPOTrainer class (see `positioned`): saves and resumes the position described above."""
 
     _taken: set[int]  # this start's groups the trainer took off the rollout queue
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        self._taken, self._skipped = set(), frozenset()  # a dataloader built before training starts has a set too
+        super().__init__(*args, **kwargs)
     _skipped: frozenset[int]  # CONSUMED_AHEAD of the checkpoint this start resumed from
     _empty_file: Path  # where this start's rollout child lists the groups that scored to no sample
 
@@ -154,7 +152,7 @@ class ResumePosition:
         if state_file is not None and state_file.is_file():
             self._skipped = frozenset(json.loads(state_file.read_text()).get(CONSUMED_AHEAD, []))
         self._empty_file.parent.mkdir(parents=True, exist_ok=True)
-        _write_json(self._empty_file, [])  # a file left by an earlier start would name another start's groups
+        recipe.write_json(self._empty_file, [])  # a file left by an earlier start would name another start's groups
         self.rollout_worker._loop_kwargs.update(consumed_ahead=sorted(self._skipped),
                                                 empty_groups_file=str(self._empty_file))
 
@@ -183,7 +181,7 @@ class ResumePosition:
         empty = self._empty_file
         consumed = self._taken | self._skipped | set(json.loads(empty.read_text()) if empty.is_file() else [])
         start = self.rollout_worker._loop_kwargs["dataset_start_index"]
-        _write_json(state_file, {**state, **next_position(start, consumed)})
+        recipe.write_json(state_file, {**state, **next_position(start, consumed)})
 
 
 _CLASSES: dict[type, type] = {}

@@ -240,7 +240,9 @@ class GuardedSession:
         finally:
             if self._waited and not self._stopped_early and not self._recorded:
                 self._recorded = True
-                self.ledger.record(self.failure, self.error, timed_out=self.timed_out)
+                # The inner session times its trial when it closes (harbor_sessions; scripted sessions do not).
+                self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
+                                   timing=getattr(self.inner, "timing", None))
 
 
 class GuardedSessionFactory:

@@ -49,7 +49,7 @@ logger = logging.getLogger("train_lora")
 DEVICES = ("cuda", "cpu")
 
 
-# --- Configuration -------------------------------------------------------------------------------------------------
+# --- 1. Settings: where things are and where the adapter goes ---------------------------------------------------------
 @dataclass(frozen=True)
 class Settings:
     """Where things are for this run; the numbers stay in recipe.py."""
@@ -146,6 +146,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
     )
 
 
+# --- 2. LoRA and batching ---------------------------------------------------------------------------------------------
 def lora_config() -> LoraConfig:
     """LoRA on attention q/k/v/out and FFN w1/w2/w3, never on the short-conv projections."""
     from peft import LoraConfig
@@ -253,7 +254,7 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
     )
 
 
-# --- Reward --------------------------------------------------------------------------------------------------------
+# --- 3. Reward --------------------------------------------------------------------------------------------------------
 def reward(outcome: HarnessRolloutOutcome) -> float | None:
     """Correctness plus a tool-efficiency bonus that only a correct answer earns.
 
@@ -269,7 +270,7 @@ def reward(outcome: HarnessRolloutOutcome) -> float | None:
     return score
 
 
-# --- Tasks, tokenizer and rollout worker ----------------------------------------------------------------------------
+# --- 4. Tasks, tokenizer and rollout worker ---------------------------------------------------------------------------
 def session_factory(settings: Settings) -> functools.partial:
     """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py; the worker rebuilds it in a spawned child).
 
@@ -382,7 +383,7 @@ def rollout_worker(
     )
 
 
-# --- Checkpoint push, resume, heartbeat ------------------------------------------------------------------------------
+# --- 5. Resume: the newest complete checkpoint in the adapter repo ----------------------------------------------------
 def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
     """Download the newest complete checkpoint from the adapter repo into `output_dir`, or None if there is none."""
     steps = adapter_repo.complete_checkpoints(api.list_repo_files(repo_id))
@@ -403,7 +404,7 @@ def train_log_path(heartbeat_file: str | Path) -> Path:
 
 
 
-# --- Assembly ------------------------------------------------------------------------------------------------------
+# --- 6. Trainer, train and push ---------------------------------------------------------------------------------------
 def hub_api(settings: Settings) -> Any:
     """The Hub client the pushes go through."""
     from huggingface_hub import HfApi
@@ -525,6 +526,7 @@ def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int
     push_final_adapter(api, settings, final_dir, step, url)
 
 
+# --- 7. Command line --------------------------------------------------------------------------------------------------
 def resolved_config(settings: Settings) -> dict[str, Any]:
     """What --dry-run prints: the settings (no token) and every recipe number the run uses (the LoRA numbers as
     lora_config() passes them to PEFT, read from recipe.py: importing PEFT would cost the dry run 8 s)."""

@@ -329,7 +329,9 @@ def train_run(inflight: int, staleness: int, distribution: str, args: argparse.N
               report_to: str = "none") -> tuple[list[dict[str, Any]], StepClock]:
     """Train the recipe's trainer until `--steps` saturated steps are done (or --max-run-s); return the per-step
     entries of its train_log.json (what RunLog wrote, as the smoke report reads it) and the step clock."""
+    from fake_sessions import write_task_list
     from hub_double import LocalHub
+    from sessions import make_tasks
     from trl_cpu_shims import NullWeightTransfer, cpu_trainer_shims
 
     import train_lora
@@ -340,7 +342,9 @@ def train_run(inflight: int, staleness: int, distribution: str, args: argparse.N
     env = {"MODEL": str(workdir / "model"), "ADAPTER_REPO": ADAPTER_REPO, "HF_TOKEN": PLACEHOLDER_TOKEN,
            "MAX_STEPS": str(recipe.TRAIN_MEDIUM + recipe.TRAIN_HARD), "SAVE_STEPS": str(10**6),
            "OUTPUT_DIR": str(run_dir / "outputs"), "HEARTBEAT_FILE": str(run_dir / "heartbeat"), "DEVICE": "cpu",
-           "REPORT_TO": report_to, "DASHBOARD_SPACE": "local", "JOB_ID": run_dir.name, "RESUME": "0"}
+           "REPORT_TO": report_to, "DASHBOARD_SPACE": "local", "JOB_ID": run_dir.name, "RESUME": "0",
+           # The trainer trains in its task list's order: the list of the tasks these sessions serve.
+           "TASK_DATA": write_task_list(run_dir / "data", [t["task_name"] for t in make_tasks(args.tasks)])}
     settings = train_lora.settings_from_env(env)
     clock = SimClock(run_dir / "clock")
     clock.freeze()

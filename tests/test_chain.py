@@ -181,7 +181,10 @@ def played(chain, tmp_path_factory):
     (right, wrong, no answer, malformed tool call)."""
     plan = [chain.names[0]] * recipe.NUM_GENERATIONS
     start = time.monotonic()
-    out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("ledger") / "rollouts.json")
+    # The client finds the server's trial folders by openenv's rule, as in the job (one environment for both).
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
+        out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("ledger") / "rollouts.json")
     wall = time.monotonic() - start
     for task, session, _, reward in out:
         result = session.result if session else None
@@ -245,9 +248,11 @@ def test_a_right_answer_scores_one_with_a_clean_trainable_trace(chain, played, m
     session, trace, _ = right[0]
     check_trace(chain, session, trace, agent_turns=2)  # the write call, then the final message
     assert trace.turns[0].response["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "write"
-    # The session finds the env server's Harbor trial folder by openenv's own rule (the job runs both with one env).
+    # The session found the env server's Harbor trial folder by openenv's own rule (the job runs both with one env),
+    # timed its phases from Harbor's result, and removed it once its trace was taken (a scored rollout).
     monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
-    assert (session.trial_dir / "verifier" / "reward.txt").read_text().strip() == "1.0"
+    assert session.trial_dir.parent == chain.root / "trials" and not session.trial_dir.exists()
+    assert {"sandbox_start_s", "agent_setup_s", "agent_run_s", "verifier_s"} <= set(session.timing)
 
 
 def test_a_wrong_answer_scores_zero_with_a_clean_trainable_trace(chain, played):
@@ -270,6 +275,9 @@ def test_a_concurrent_group_of_eight_is_scored_with_contrast(chain, played):
     assert 0.0 in rewards and 1.0 in rewards  # a GRPO group with contrast
     ledger = played["ledger"]
     assert (ledger["rollouts"], ledger["scored"], ledger["unscorable_total"]) == (recipe.NUM_GENERATIONS,) * 2 + (0,)
+    # Every rollout's setup was measured into the ledger, as the smoke report reads it (sandbox_lifecycle's parts).
+    timing = ledger["timing"]
+    assert timing["count"] == recipe.NUM_GENERATIONS and 0 < timing["max"]["setup_s"] < recipe.ROLLOUT_SETUP_BUDGET_S
 
 
 # --- Faults: each rollout ends as its class in rollout_guard's ledger -----------------------------------------------
@@ -320,8 +328,10 @@ def faulted(chain, tmp_path_factory):
     (chain.tasks / "train" / "tasks" / verifier / "tests" / "test.sh").write_text(crash)
     plan = [start, health, install, verifier, loop]
     began = time.monotonic()
-    out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("faults") / "rollouts.json",
-                                 agent_timeout_sec=FAULT_AGENT_TIMEOUT_S)
+    with pytest.MonkeyPatch.context() as patch:  # the client finds the server's trial folders, as in the job
+        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
+        out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("faults") / "rollouts.json",
+                                     agent_timeout_sec=FAULT_AGENT_TIMEOUT_S)
     print(f"chain faults: {len(plan)} concurrent rollouts in {time.monotonic() - began:.0f} s")
     for task, session, _, reward in out:
         print(f"chain fault {task}: reward {reward}, {getattr(session, 'failure', None)}: "
@@ -335,11 +345,15 @@ def faulted(chain, tmp_path_factory):
     ("install", "rollout", "install"),
     ("verifier", "verifier", "RewardFileNotFoundError"),
 ])
-def test_a_fault_in_the_real_chain_is_one_unscorable_rollout_of_its_class(faulted, fault, failure, says):
+def test_a_fault_in_the_real_chain_is_one_unscorable_rollout_of_its_class(faulted, fault, failure, says, chain,
+                                                                         monkeypatch):
     (_, session, _, reward), ledger = faulted[0][fault], faulted[1]
+    monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
     assert reward is None and session.failure == failure, (session.failure, session.error)
     assert says in session.error
     assert ledger["unscorable"][failure] >= 1
+    if fault == "verifier":  # a failed rollout's trial folder is kept for diagnosis (sandbox_lifecycle.finish_trial)
+        assert (session.inner.trial_dir / "result.json").is_file()
 
 
 def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):

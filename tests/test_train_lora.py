@@ -343,11 +343,11 @@ def test_session_factory_builds_harbor_sessions_that_trl_can_train_after_pickle(
 
     import harbor_sessions
 
-    settings = train_lora.settings_from_env({**BASE_ENV, "ENV_URL": "http://127.0.0.1:9001", "SANDBOX": "daytona"})
+    settings = train_lora.settings_from_env({**BASE_ENV, "ENV_URL": "http://127.0.0.1:9001", "SANDBOX": "hf-sandbox"})
     factory = pickle.loads(pickle.dumps(train_lora.session_factory(settings)))
     built = factory(sampling={"temperature": 1.0})  # what TRL's spawned rollout child does
     assert isinstance(built, harbor_sessions.HarborSessionFactory) and built.env_url == "http://127.0.0.1:9001"
-    assert built.session_kwargs["harness"] == "opencode" and built.session_kwargs["sandbox"] == "daytona"
+    assert built.session_kwargs["harness"] == "opencode" and built.session_kwargs["sandbox"] == "hf-sandbox"
     assert built.session_kwargs["llm_url"] == settings.vllm_url
     assert built.session_kwargs["model"] == recipe.SERVED_MODEL_NAME
     # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.

@@ -25,6 +25,7 @@ import signal
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 from harbor.environments.base import BaseEnvironment, ExecResult
 from harbor.environments.capabilities import EnvironmentCapabilities
@@ -48,7 +49,20 @@ def faults(trial: str) -> dict[str, object]:
 
 
 class BubblewrapEnvironment(BaseEnvironment):
-    """Harbor's BaseEnvironment over bubblewrap; one overlay per trial, removed when the trial stops."""
+    """Harbor's BaseEnvironment over bubblewrap; one overlay per trial, removed when the trial stops.
+
+    It takes hf-sandbox's own options (HFSandboxEnvironment's keyword arguments) and keeps the idle timeout as that
+    class does, parsed by Harbor's own `_parse_idle_timeout`: the env server's idle-timeout patch (sandbox_lifecycle)
+    hands every hf-sandbox trial `job_timeout`, and checks the timeout it would ask Sandbox.create for. Nothing here
+    idles out: a bubblewrap sandbox lives as long as its trial.
+    """
+
+    def __init__(self, *args: Any, flavor: str = "cpu-basic", job_timeout: str | int | float | None = None,
+                 forward_hf_token: bool = False, **kwargs: Any) -> None:
+        from harbor.environments.hf_sandbox import _parse_idle_timeout
+
+        self._idle_timeout = _parse_idle_timeout(job_timeout)
+        super().__init__(*args, **kwargs)
 
     @staticmethod
     def type() -> EnvironmentType:
