@@ -22,8 +22,8 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import httpx
 import pytest
+from stubs.procs import free_port, wait_http
 
 import recipe
 
@@ -49,28 +49,6 @@ if missing():
     if os.environ.get("CI") == "true":
         pytest.fail(f"the rollout chain cannot run: missing {missing()}", pytrace=False)
     pytest.skip(f"the rollout chain needs {missing()}", allow_module_level=True)
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def wait_up(url: str, proc: subprocess.Popen, timeout_s: float = 180) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{url}: the server exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=5).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
 
 
 class Chain:
@@ -161,7 +139,7 @@ def chain(tmp_path_factory):
                                            stderr=subprocess.STDOUT)
     chain.server = chain.start()
     try:
-        wait_up(f"{chain.env_url}/health", chain.server)
+        wait_http(f"{chain.env_url}/health", chain.server, timeout=180)
         yield chain
     finally:
         chain.server.terminate()
@@ -301,7 +279,8 @@ def test_an_env_server_restart_fails_the_rollout_in_flight_as_a_rollout_failure(
     (_, session, _, reward), = result["out"]
     assert reward is None and session.failure == "rollout", session.error
     assert (result["ledger"]["rollouts"], result["ledger"]["unscorable"]["rollout"]) == (1, 1)
-    wait_up(f"{chain.env_url}/health", chain.server)  # back: the fault rollouts below run on the restarted server
+    # Back: the fault rollouts below run on the restarted server.
+    wait_http(f"{chain.env_url}/health", chain.server, timeout=180)
     assert len(chain.factory()().prompt_rows()) == len(chain.names)
 
 

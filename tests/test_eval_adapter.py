@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import threading
@@ -17,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hub_double import LocalHub
+from stubs.procs import free_port, wait_http
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
 import adapter_repo
@@ -553,26 +553,6 @@ def test_run_eval_refuses_bad_input_with_one_line(env, message):
 
 
 # --- against the real OpenEnv Harbor env server ------------------------------------------------------------------
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _wait_http(url, proc, timeout_s=90.0):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{proc.args[:3]} exited with {proc.returncode}")
-        try:
-            if httpx.get(url, timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(url)
-
-
 @pytest.fixture(scope="module")
 def env_server(tmp_path_factory):
     """`openenv harbor serve` (the real server) on prepared test tasks, with a vLLM stand-in upstream.
@@ -584,7 +564,7 @@ def env_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("harbor")
     tasks = materialized(root)
-    llm_port, env_port = _free_port(), _free_port()
+    llm_port, env_port = free_port(), free_port()
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"} | {
         "SPACE_HOST": "test--8000.hf.jobs", "ENABLE_WEB_INTERFACE": "false", "HOME": str(root),
         "OPENENV_HARBOR_TRIALS_DIR": str(root / "trials")}
@@ -597,8 +577,8 @@ def env_server(tmp_path_factory):
                                "--max-output-tokens", str(recipe.MAX_TOKENS), "--dataset", str(tasks / "test")],
                               env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        _wait_http(f"http://127.0.0.1:{llm_port}/health", upstream)
-        _wait_http(f"http://127.0.0.1:{env_port}/health", server)
+        wait_http(f"http://127.0.0.1:{llm_port}/health", upstream, timeout=90)
+        wait_http(f"http://127.0.0.1:{env_port}/health", server, timeout=90)
         yield f"http://127.0.0.1:{env_port}", f"http://127.0.0.1:{llm_port}", tasks
     finally:
         for proc in (server, upstream):
@@ -674,7 +654,7 @@ def make_eval_job(tmp_path):
                REAL_PYTHON=sys.executable, STUB_LOG=str(tmp_path / "stub.log"), LOG_DIR=str(tmp_path / "logs"),
                WORK_DIR=str(tmp_path / "work"), ADAPTER_REPO=REPO, HF_TOKEN="hf_SECRETSECRET", JOB_ID="job9",
                PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", EVAL_TEST_TOKEN=token,
-               POLICY_PORT=str(_free_port()), ENV_PORT=str(_free_port()), PUBLIC_PORT=str(_free_port()))
+               POLICY_PORT=str(free_port()), ENV_PORT=str(free_port()), PUBLIC_PORT=str(free_port()))
     return {"app": app, "env": env, "log": tmp_path / "stub.log", "token": token}
 
 
