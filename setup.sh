@@ -87,7 +87,7 @@ build_chain_image() {
   rm -rf "$new"
   mkdir -p "$CHAIN_IMAGE"
   local mirror suite
-  mirror="$(apt_mirror)"; suite="$(. /etc/os-release && echo "${VERSION_CODENAME:-}")"
+  mirror="$(apt_mirror)"; suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null)"
   if [ -z "$mirror" ] || [ -z "$suite" ]; then
     chain_missing "no Debian mirror or release found in apt's sources and /etc/os-release for debootstrap" || return 0
   fi
