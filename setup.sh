@@ -87,7 +87,7 @@ build_chain_image() {
   rm -rf "$new"
   mkdir -p "$CHAIN_IMAGE"
   local mirror suite
-  mirror="$(apt_mirror)"; suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null)"
+  mirror="$(apt_mirror)"; suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null || true)"
   if [ -z "$mirror" ] || [ -z "$suite" ]; then
     chain_missing "no Debian mirror or release found in apt's sources and /etc/os-release for debootstrap" || return 0
   fi
@@ -112,8 +112,12 @@ build_chain_image() {
 
 # The Debian mirror this machine's apt installs from (its deb822 or one-line sources): the root comes from there too.
 apt_mirror() {
-  { sed -n 's|^URIs: *\([^ ]*/debian\)/*$|\1|p' /etc/apt/sources.list.d/*.sources
-    sed -n 's|^deb  *\([^ ]*/debian\)/* .*|\1|p' /etc/apt/sources.list; } 2>/dev/null | head -n 1
+  local file found=""
+  for file in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
+    if [ -n "$found" ] || [ ! -r "$file" ]; then continue; fi
+    found="$(sed -n -e 's|^URIs: *\([^ ]*/debian\)/*$|\1|p' -e 's|^deb  *\([^ ]*/debian\)/* .*|\1|p' "$file")"
+  done
+  printf '%s\n' "${found%%$'\n'*}"
 }
 
 # Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).
