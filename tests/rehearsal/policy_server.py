@@ -396,10 +396,7 @@ class PolicyServer:
             with self._cond:
                 self._active -= 1
                 self._cond.notify_all()
-        # As vLLM 0.31 with --tool-call-parser lfm2 (Lfm2ToolParser.adjust_request): special tokens stay in the text
-        # when tools are offered.
-        keep_special = bool(body.get("tools")) and body.get("tool_choice") != "none"
-        message = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=not keep_special)}
+        message = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
         if reply is not None and finish != "length":  # what vLLM's tool parser makes of the rendered call
             message = {"role": "assistant", "content": reply.get("content") or None,
                        **({"tool_calls": reply["tool_calls"]} if reply.get("tool_calls") else {})}
