@@ -224,16 +224,24 @@ def write_adapter(adapter: Path, out: Path, card: str, results: dict[str, Any] |
 
 
 def write_merged(base_model: str, adapter: Path, out: Path, card: str, dtype: str) -> None:
-    """Merge the LoRA into the base in fp32 (one rounding, at the final cast) and save a plain transformers model."""
+    """Merge the LoRA into the base in fp32 (one rounding, at the final cast) and save a plain transformers model.
+
+    Its tokenizer carries chat_template.py's template, the one the run trained and served with, not the base
+    repo's: `vllm serve` and `apply_chat_template` of the merged model read the saved one.
+    """
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from chat_template import chat_template
+
     revision = base_revision(base_model)
+    tokenizer = AutoTokenizer.from_pretrained(base_model, revision=revision)
+    tokenizer.chat_template = chat_template()
     base = AutoModelForCausalLM.from_pretrained(base_model, revision=revision, dtype=torch.float32)
     merged = PeftModel.from_pretrained(base, str(adapter)).merge_and_unload()
     merged.to(getattr(torch, dtype)).save_pretrained(out)
-    AutoTokenizer.from_pretrained(base_model, revision=revision).save_pretrained(out)
+    tokenizer.save_pretrained(out)
     (out / "README.md").write_text(card)
 
 

@@ -18,9 +18,10 @@ import torch
 import yaml
 from huggingface_hub import ModelCard
 from peft import PeftConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
 import adapter_repo
+import chat_template
 import eval_adapter
 import export_adapter
 import model_cards
@@ -28,6 +29,7 @@ import recipe
 import train_lora
 from tests import offline
 from tests.hub_double import LocalHub
+from tests.opencode_rollout import tiny_model_with_hub_template
 from tests.tiny_lfm2 import save_tiny_model, tiny_model
 
 TARGET = "alice/LFM2.5-2.6B-opencode-lora"
@@ -232,6 +234,19 @@ def test_merged_model_is_plain_and_matches_peft_logits(made, tmp_path, capsys, d
     assert meta["library_name"] == "transformers" and meta["base_model"] == "LiquidAI/LFM2.5-2.6B"
     assert f'AutoModelForCausalLM.from_pretrained("{TARGET}-merged"' in body
     assert (merged_dir / "tokenizer_config.json").exists()
+
+
+def test_merged_model_carries_the_chat_template_the_run_trained_and_served_with(made, tmp_path, capsys):
+    """The base repo's tokenizer has its own template (it opens <think>); `vllm serve` of the merged model reads the
+    saved tokenizer's, so the merged export must carry chat_template.py's, the one serve_policy.sh passes vLLM."""
+    base = tiny_model_with_hub_template(tmp_path / "base")
+    assert AutoTokenizer.from_pretrained(base).chat_template != chat_template.chat_template()
+    out = tmp_path / "out"
+    rc, _, err = run(["--source", str(made["source"]), "--target", TARGET, "--local-dir", str(out), "--merged",
+                      "--merged-dtype", "float32", "--base-model", str(base)], capsys)
+    assert rc == 0, err
+    assert AutoTokenizer.from_pretrained(out / "merged").chat_template == chat_template.chat_template()
+    assert (out / "merged" / "chat_template.jinja").read_text() == chat_template.chat_template()
 
 
 def hub_with_source(made, tmp_path) -> LocalHub:
