@@ -324,3 +324,16 @@ def test_readme_vllm_serve_line_has_the_tool_flags_opencode_needs() -> None:
     assert "--enable-auto-tool-choice --tool-call-parser lfm2" in policy
     for line in lines:
         assert "--enable-auto-tool-choice --tool-call-parser lfm2" in " ".join(line.split()), line
+
+
+def test_readme_vllm_serve_line_serves_the_chat_template_the_run_trained_with() -> None:
+    """Served on the base repo, the adapter would get the base's own template (it opens <think>; rollouts forked on
+    it): the line passes `--chat-template FILE` and the README writes FILE with chat_template.py, as serve_policy.sh
+    does."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    lines = re.findall(r"`(vllm serve [^`]*--enable-lora[^`]*)`", readme)
+    assert lines, "README.md has no `vllm serve ... --enable-lora` line"
+    for line in lines:
+        template = re.search(r"--chat-template (\S+)", line)
+        assert template, line
+        assert f"chat_template.py {template.group(1)}`" in readme, f"README never writes {template.group(1)}"
