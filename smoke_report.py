@@ -37,17 +37,6 @@ SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
 # trained groups, each counted since the previous logged step.
 STALE_KEY, SAMPLES_KEY, GROUPS_KEY = "sample/dropped_stale_total", "batch/samples_per_step", "batch/groups_per_step"
 VERSIONED = ("vllm", "torch", "trl", "transformers", "peft", "openenv", "harbor")
-_UNITS = {"s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def seconds(duration: str) -> int:
-    """A Jobs timeout ("2h", "90m", "7200") in seconds."""
-    text = duration.strip().lower()
-    unit = _UNITS.get(text[-1:], None)
-    number = text[:-1] if unit else text
-    if not number.replace(".", "", 1).isdigit():
-        raise recipe.ConfigError(f"timeout {duration!r} is not a duration: use e.g. 2h, 90m or 7200")
-    return int(float(number) * (unit or 1))
 
 
 def duration(total_s: int) -> str:
@@ -334,8 +323,9 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
         reasons.append(f"resume from checkpoint-{expect['resume_at']} not verified: {report['resume']['why']}")
     if expect.get("resume_at"):
         reasons += resume_position(report, expect["resume_at"])
-    reasons += rollout_reasons(report["rollouts"], limits(expect), expect.get("sandbox", True))
-    reasons += pipeline_reasons(train, limits(expect))
+    bounds = limits(expect)
+    reasons += rollout_reasons(report["rollouts"], bounds, expect.get("sandbox", True))
+    reasons += pipeline_reasons(train, bounds)
     if expect.get("eval"):
         ev = report["eval"]
         if ev is None or not ev["complete"]:
