@@ -111,13 +111,16 @@ build_chain_image() {
 }
 
 # The Debian mirror this machine's apt installs from (its deb822 or one-line sources): the root comes from there too.
+# Usage: apt_mirror [APT_DIR]   (default /etc/apt); prints nothing when no source is a Debian mirror. Reads deb822
+# `URIs:` (the first of several), one-line `deb [options] URI suite ...` entries, in sources.list and sources.list.d.
 apt_mirror() {
-  local file found=""
-  for file in /etc/apt/sources.list.d/*.sources /etc/apt/sources.list; do
+  local apt_dir="${1:-/etc/apt}" file found=""
+  for file in "$apt_dir"/sources.list.d/*.sources "$apt_dir"/sources.list "$apt_dir"/sources.list.d/*.list; do
     if [ -n "$found" ] || [ ! -r "$file" ]; then continue; fi
-    found="$(sed -n -e 's|^URIs: *\([^ ]*/debian\)/*$|\1|p' -e 's|^deb  *\([^ ]*/debian\)/* .*|\1|p' "$file")"
+    found="$(sed -n -E -e 's#^URIs:[[:space:]]*([^[:space:]]+/debian)/*([[:space:]].*)?$#\1#p' \
+      -e 's#^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+/debian)/*[[:space:]].*#\2#p' "$file")"
   done
-  printf '%s\n' "${found%%$'\n'*}"
+  if [ -n "$found" ]; then printf '%s\n' "${found%%$'\n'*}"; fi
 }
 
 # Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).

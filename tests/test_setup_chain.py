@@ -4,17 +4,27 @@ skipping; the stand-ins take Harbor's hf-sandbox and opencode slots only while t
 
 from __future__ import annotations
 
+import os
+import shlex
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+
+
+def setup_functions() -> str:
+    """setup.sh without its last line (`main "$@"`): its settings and functions, to call one by one."""
+    text = (ROOT / "setup.sh").read_text()
+    assert text.endswith('\nmain "$@"\n')
+    return text.removesuffix('main "$@"\n')
 
 
 def run_install_chain_tools(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     """setup.sh's functions (not its main), then `install_chain_tools`, on a PATH without bubblewrap or apt-get."""
-    functions = (ROOT / "setup.sh").read_text().replace('\nmain "$@"\n', "\n")
-    script = functions + "\nif install_chain_tools; then echo tools-ready; fi\necho went-on\n"  # as main() calls it
+    script = setup_functions() + "\nif install_chain_tools; then echo tools-ready; fi\necho went-on\n"  # as main()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "id").symlink_to("/usr/bin/id")
@@ -33,6 +43,73 @@ def test_missing_chain_tools_are_named_once_and_skipped_outside_ci(tmp_path):
     out = run_install_chain_tools(tmp_path)
     assert out.returncode == 0 and out.stdout.split() == ["went-on"]  # no image build; the rest goes on
     assert out.stderr.count("\n") == 1 and "the rollout-chain tests will be skipped: install bubblewrap" in out.stderr
+
+
+DEB822 = """Types: deb
+# http://snapshot.debian.org/archive/debian-security/20250520T000000Z
+URIs: http://deb.debian.org/debian-security
+Suites: bookworm-security
+Components: main
+
+Types: deb
+URIs: https://mirror.example.org/debian/ http://deb.debian.org/debian
+Suites: bookworm bookworm-updates
+Components: main
+Signed-By: /usr/share/keyrings/debian-archive-keyring.gpg
+"""
+CLASSIC = """# deb cdrom:[Debian GNU/Linux 12]/ bookworm main
+deb-src http://src.example.org/debian bookworm main
+deb http://security.debian.org/debian-security bookworm-security main
+deb http://mirror.example.org/debian bookworm main contrib
+"""
+CLASSIC_OPTIONS = ("deb [arch=amd64 signed-by=/usr/share/keyrings/debian-archive-keyring.gpg] "
+                   "http://mirror.example.org/debian/ bookworm main\n")
+
+
+def apt_mirror(etc_apt: Path) -> subprocess.CompletedProcess:
+    """setup.sh's `apt_mirror` on the apt configuration folder `etc_apt`, under setup.sh's own `set -euo pipefail`."""
+    script = setup_functions() + f"\napt_mirror {shlex.quote(str(etc_apt))}\necho went-on\n"
+    return subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True, timeout=30, cwd=ROOT)
+
+
+def apt_folder(tmp_path: Path, files: dict[str, str]) -> Path:
+    etc = tmp_path / "apt"
+    (etc / "sources.list.d").mkdir(parents=True)
+    for name, text in files.items():
+        (etc / name).write_text(text)
+    return etc
+
+
+@pytest.mark.parametrize(("files", "mirror"), [
+    ({"sources.list.d/debian.sources": DEB822}, "https://mirror.example.org/debian"),
+    ({"sources.list": CLASSIC}, "http://mirror.example.org/debian"),
+    ({"sources.list": CLASSIC_OPTIONS}, "http://mirror.example.org/debian"),
+    ({"sources.list.d/mirror.list": CLASSIC}, "http://mirror.example.org/debian"),
+    ({"sources.list.d/debian.sources": DEB822, "sources.list": CLASSIC}, "https://mirror.example.org/debian"),
+], ids=["deb822", "one-line", "one-line-with-options", "one-line-in-sources.list.d", "deb822-first"])
+def test_apt_mirror_is_the_debian_mirror_this_machines_apt_installs_from(tmp_path, files, mirror):
+    out = apt_mirror(apt_folder(tmp_path, files))
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines() == [mirror, "went-on"] and out.stderr == ""
+
+
+def test_no_debian_mirror_is_an_empty_answer_and_the_image_build_says_so_in_one_line(tmp_path):
+    """No sources (or only other distributions' mirrors): apt_mirror prints nothing and set -e survives it; the
+    image build then names the cause once and setup.sh goes on (CI=true: fails)."""
+    etc = apt_folder(tmp_path, {"sources.list": "deb http://archive.ubuntu.com/ubuntu noble main\n"})
+    out = apt_mirror(etc)
+    assert out.returncode == 0 and out.stdout.splitlines() == ["went-on"] and out.stderr == ""
+    # build_chain_image as main() calls it, as root (its first check), with this apt folder and a scratch image dir.
+    build = (f"id() {{ echo 0; }}\neval \"$(declare -f apt_mirror | sed 1s/apt_mirror/real_apt_mirror/)\"\n"
+             f"apt_mirror() {{ real_apt_mirror {shlex.quote(str(etc))}; }}\nbuild_chain_image\necho went-on\n")
+    for ci, rc, verb in (("", 0, "will be skipped"), ("true", 1, "cannot run")):
+        env = {**os.environ, "CHAIN_IMAGE": str(tmp_path / "image"), "CI": ci}
+        out = subprocess.run(["/bin/bash", "-c", setup_functions() + build], capture_output=True, text=True,
+                             timeout=60, cwd=ROOT, env=env)
+        assert out.returncode == rc and ("went-on" in out.stdout) == (rc == 0), out.stderr
+        assert out.stderr == (f"setup.sh: the rollout-chain tests {verb}: no Debian mirror or release found in apt's "
+                              "sources and /etc/os-release for debootstrap\n")
+        assert not (tmp_path / "image" / "root").exists()
 
 
 REGISTER = """
