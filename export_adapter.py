@@ -25,8 +25,11 @@ from typing import Any
 import adapter_repo
 import model_cards
 import recipe
+from chat_template import chat_template
 
 SCRIPT = "export_adapter.py"
+# The adapter repo's copy of chat_template.py's template, under the name transformers saves a tokenizer's template.
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
 
 
 # --- inputs -------------------------------------------------------------------------------------------------
@@ -162,21 +165,28 @@ def usage_section(target: str, merged: bool) -> str:
                 f'tokenizer = AutoTokenizer.from_pretrained("{target}")')
         imports = "from transformers import AutoModelForCausalLM, AutoTokenizer"
         serve = f"vllm serve {target} {tools}"
-    else:  # the base at the revision the adapter was trained on, never whatever `main` is later
+    else:  # the base at the revision the adapter was trained on, never whatever `main` is later; its template
         rev = recipe.BASE_MODEL_REVISION
         load = (f'base = AutoModelForCausalLM.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}", '
                 'dtype="bfloat16")\n'
                 f'model = PeftModel.from_pretrained(base, "{target}")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}")')
-        imports = "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer"
-        serve = (f"vllm serve {recipe.BASE_MODEL} --revision {rev} --tokenizer-revision {rev} --enable-lora "
-                 f"--max-lora-rank {recipe.LORA_R} --lora-modules {recipe.ADAPTER_SERVED_NAME}={target} {tools}")
+                f'tokenizer = AutoTokenizer.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}")\n'
+                f'tokenizer.chat_template = Path(hf_hub_download("{target}", "{CHAT_TEMPLATE_FILE}")).read_text()')
+        imports = ("from pathlib import Path\n\nfrom huggingface_hub import hf_hub_download\n"
+                   "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer")
+        serve = (f"hf download {target} {CHAT_TEMPLATE_FILE} --local-dir .\n"
+                 f"vllm serve {recipe.BASE_MODEL} --revision {rev} --tokenizer-revision {rev} --enable-lora "
+                 f"--max-lora-rank {recipe.LORA_R} --lora-modules {recipe.ADAPTER_SERVED_NAME}={target} {tools} "
+                 f"--chat-template {CHAT_TEMPLATE_FILE}")
     lines = [
         "## Use it", "", "With transformers:", "", "```python", imports, "", load, "```", "",
         "With vLLM (OpenAI-compatible server; OpenCode sends `tool_choice=auto`, so keep the tool-call flags):", "",
         "```bash", serve, "```", "",
     ]
     if not merged:
+        lines += [f"`{CHAT_TEMPLATE_FILE}` in this repo is the chat template the adapter was trained and served with "
+                  "(TRL's LFM2.5 template); the base repo's own differs (it opens `<think>` in the generation prompt): "
+                  "set it on the tokenizer and pass it to vLLM, as above.", ""]
         lines += [f"The base model's revision is recorded in `adapter_config.json` (`revision`: "
                   f"`{recipe.BASE_MODEL_REVISION}`), where PEFT's `AutoPeftModelForCausalLM` reads it to load the "
                   "base; the Hub reads the metadata's `base_model` as a repo id only.", ""]
@@ -210,12 +220,14 @@ def model_card(target: str, checkpoint: str, steps: int | None, results: dict[st
 
 # --- outputs -------------------------------------------------------------------------------------------------
 def write_adapter(adapter: Path, out: Path, card: str, results: dict[str, Any] | None, checkpoint: str) -> None:
-    """Adapter weights, its config pointing at the real base model id, the card and the eval results."""
+    """Adapter weights, its config pointing at the real base model id, the chat template it was trained with (the
+    base repo's differs), the card and the eval results."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(adapter / "adapter_model.safetensors", out / "adapter_model.safetensors")
     config = json.loads((adapter / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = recipe.BASE_MODEL
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / CHAT_TEMPLATE_FILE).write_text(chat_template())
     (out / "README.md").write_text(card)
     if results:
         path = out / adapter_repo.full_results_path(checkpoint)
@@ -232,8 +244,6 @@ def write_merged(base_model: str, adapter: Path, out: Path, card: str, dtype: st
     import torch
     from peft import PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from chat_template import chat_template
 
     revision = base_revision(base_model)
     tokenizer = AutoTokenizer.from_pretrained(base_model, revision=revision)

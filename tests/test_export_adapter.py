@@ -134,6 +134,24 @@ def test_local_export_card_and_adapter_round_trip(made, tmp_path, capsys):
     assert not (out / "merged").exists()
 
 
+def test_adapter_repo_carries_the_chat_template_and_its_card_uses_it(made, tmp_path, capsys):
+    """Served on (or loaded with) the base repo's tokenizer, the adapter would get the base's template, not the one it
+    trained and was served with: the export ships that one as chat_template.jinja, and both usage snippets use it."""
+    out = tmp_path / "out"
+    rc, _, err = run(["--source", str(made["source"]), "--target", TARGET, "--local-dir", str(out)], capsys)
+    assert rc == 0, err
+    shipped = out / "adapter" / "chat_template.jinja"
+    assert shipped.read_text() == chat_template.chat_template()
+    _, body = card_parts(out / "adapter" / "README.md")
+    python, bash = re.findall(r"```python\n(.*?)```", body, re.S), re.findall(r"```bash\n(.*?)```", body, re.S)
+    assert len(python) == len(bash) == 1
+    compile(python[0], "card snippet", "exec")
+    assert f'tokenizer.chat_template = Path(hf_hub_download("{TARGET}", "{shipped.name}")).read_text()' in python[0]
+    download, serve = bash[0].splitlines()
+    assert download == f"hf download {TARGET} {shipped.name} --local-dir ."
+    assert serve.startswith("vllm serve ") and serve.endswith(f" --chat-template {shipped.name}")
+
+
 def test_card_metadata_and_model_index_parse_back_with_huggingface_hub(made, tmp_path, capsys):
     """huggingface_hub's own parser reads the card: base model + revision, datasets + revisions, the model-index."""
     out = tmp_path / "out"
@@ -272,7 +290,8 @@ def test_push_from_hub_source_with_retries(made, tmp_path, capsys, monkeypatch):
     assert rc == 0, err
     assert tokens == [CANARY] and sleeps == [recipe.PUSH_BACKOFF_S, 2 * recipe.PUSH_BACKOFF_S]
     files = hub.list_repo_files(TARGET)
-    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "eval/final_results.json"} == set(files)
+    assert {"README.md", "adapter_config.json", "adapter_model.safetensors", "chat_template.jinja",
+            "eval/final_results.json"} == set(files)
     merged = set(hub.list_repo_files(f"{TARGET}-merged"))
     assert {"README.md", "config.json", "model.safetensors", "tokenizer.json"} <= merged
     loaded = PeftModel.from_pretrained(tiny_model()[0], str(hub.root / TARGET)).eval()
