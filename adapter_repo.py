@@ -79,6 +79,17 @@ def complete_checkpoints(files: Iterable[str]) -> list[int]:
     return sorted(steps)
 
 
+def refuse_fresh_start(repo_id: str, files: Iterable[str]) -> None:
+    """RESUME=0 only into a repo without complete checkpoints: among an earlier run's, its pushes would replace some and
+    leave the rest, and a later resume or the eval watcher would take the newest, maybe the other run's."""
+    steps = complete_checkpoints(files)
+    if steps:
+        raise recipe.ConfigError(
+            f"{repo_id} holds checkpoints of an earlier run (newest {checkpoint_name(steps[-1])}): RESUME=0 would "
+            "train from step 0 among them, and a later resume would continue the newest: resume it (RESUME=1) or "
+            "train into a new ADAPTER_REPO")
+
+
 def checkpoint_complete(files: Iterable[str], checkpoint: str) -> bool:
     """Whether `checkpoint` ("final" or checkpoint-N) has finished uploading: the one rule every reader uses."""
     present = list(files)

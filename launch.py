@@ -43,6 +43,7 @@ from adapter_repo import (
     checkpoint_name,
     commit,
     complete_checkpoints,
+    refuse_fresh_start,
     report_failure,
 )
 
@@ -156,9 +157,10 @@ def check_bundle(bundle: Path, mode: str, files: list[str]) -> None:
                                  "checkout of lfm-opencode-lora-rl (or pass --bundle-dir)")
 
 
-def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str | None) -> None:
-    """Training starts on a repo without a finished run (the eval watcher would stop at its final adapter);
-    an eval finds its checkpoint. Reads the repo only (real launches; --dry-run touches nothing remote)."""
+def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str | None, resume: bool = True) -> None:
+    """Training starts on a repo without a finished run (the eval watcher would stop at its final adapter), and
+    from step 0 (RESUME=0) only on one without checkpoints; an eval finds its checkpoint. Reads the repo only (real
+    launches; --dry-run touches nothing remote)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     if mode not in ("train", "eval"):
@@ -171,6 +173,8 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
         raise recipe.ConfigError(f"{adapter_repo} already holds a final adapter (a finished run): evaluate it with "
                                  f"`uv run launch.py eval --adapter-repo {adapter_repo}`, or train into a new "
                                  "ADAPTER_REPO")
+    if mode == "train" and not resume:
+        refuse_fresh_start(adapter_repo, files)
     if mode == "eval" and not checkpoint_complete(files, checkpoint):
         steps = complete_checkpoints(files)
         have = ", ".join(checkpoint_name(n) for n in steps[-5:]) or "no complete checkpoints yet"
@@ -416,7 +420,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files},
                 "dashboard": dashboard_info(args, adapter_repo, TOKEN_OWNER), **said}
     api = make_api(token)
-    check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"))
+    check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"), job_vars.get("RESUME", "1") == "1")
     if mode == "eval-watch" and (told := watch_notes(api, adapter_repo, job_vars)):
         said["notes"] = said.get("notes", []) + told
     revision = upload_bundle(api, code_repo, bundle, files)

@@ -481,6 +481,8 @@ def train(
             f"{settings.adapter_repo} already holds a final adapter, which training from {start} to "
             f"MAX_STEPS={settings.max_steps} would replace: evaluate it with `launch.py eval`, or train into a new "
             "ADAPTER_REPO")
+    if not settings.resume:
+        adapter_repo.refuse_fresh_start(settings.adapter_repo, files)
     resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
     resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
     if resume_dir is not None and resumed_from is not None and resumed_from >= settings.max_steps:

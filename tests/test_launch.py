@@ -406,6 +406,18 @@ class RacingLaunchHub(RecordingHub):
         return info
 
 
+def test_a_fresh_train_launch_refuses_a_repo_holding_an_earlier_runs_checkpoints(capsys, monkeypatch, bundle,
+                                                                                  tmp_path):
+    hub = RecordingHub(tmp_path / "hub")
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["train", "--resume", "0"])
+    assert rc == 0, err  # a new repo: nothing to mix with
+    hub.seed_adapter(ADAPTER, "checkpoint-100")
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["train", "--resume", "0"])
+    assert rc == 2 and err.count("\n") == 1, err
+    assert f"{ADAPTER} holds checkpoints of an earlier run (newest checkpoint-100): RESUME=0" in err
+    assert len(hub.jobs) == 1  # the second launch started nothing
+
+
 def test_job_pins_its_own_bundle_commit_when_another_launch_commits_meanwhile(capsys, monkeypatch, bundle, tmp_path):
     """Defect 5: the job must download the commit this launch made (CommitInfo.oid), not whatever is head now."""
     hub = RacingLaunchHub(tmp_path / "hub")

@@ -85,3 +85,14 @@ def test_training_that_would_replace_a_final_adapter_is_refused_before_anything_
     with pytest.raises(recipe.ConfigError, match=r"already holds a final adapter.*`launch.py eval`"):
         train_lora.train(settings(tmp_path / "later", max_steps, **env), factory=never_build, api=finished)
     assert finished.commits[before:] == [] and not (tmp_path / "later" / "out").exists()
+
+
+def test_a_fresh_start_into_a_repo_holding_another_runs_checkpoints_is_refused_before_anything_loads(finished,
+                                                                                                    tmp_path):
+    """RESUME=0 among an earlier run's checkpoints would overwrite some of them and leave the rest: a later resume
+    (or the eval watcher) would take the newest, maybe the other run's. Refused in one line, nothing pushed."""
+    before = len(finished.commits)
+    with pytest.raises(recipe.ConfigError, match=r"holds checkpoints of an earlier run \(newest checkpoint-2\): "
+                                                 r"RESUME=0 .* or train into a new ADAPTER_REPO"):
+        train_lora.train(settings(tmp_path / "fresh", 3, RESUME="0"), factory=never_build, api=finished)
+    assert finished.commits[before:] == [] and not (tmp_path / "fresh" / "out").exists()
