@@ -41,7 +41,8 @@ def checked_args(args: argparse.Namespace) -> None:
     if not Path(args.source).is_dir():
         recipe.require_repo_id(args.source, "--source")
     recipe.require_repo_id(args.target, "--target")
-    recipe.require_repo_id(merged_repo(args), "--merged-target")
+    if args.merged:  # its default, <target>-merged, may be too long where the target is not: pass --merged-target
+        recipe.require_repo_id(merged_repo(args), "--merged-target")
     targets = [("--target", args.target)] + ([("--merged-target", merged_repo(args))] if args.merged else [])
     for flag, repo in targets:
         if repo.casefold() == args.source.casefold():  # the Hub resolves repo ids case-insensitively

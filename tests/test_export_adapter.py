@@ -403,6 +403,19 @@ def test_card_reads_the_steps_from_the_run_a_20_step_smoke_adapter(made, tmp_pat
     assert row in model_cards.training_card(SOURCE, 20, None)
 
 
+def test_a_long_target_needs_a_merged_target_only_when_merging(made, tmp_path, capsys):
+    """`<target>-merged` is the merged model's default repo: a target too long to take the suffix is fine for the
+    adapter alone, and with --merged the one line says which flag to pass."""
+    target = "alice/" + "a" * 92  # a name the Hub takes (at most 96 characters); "-merged" makes it 99
+    rc, _, err = run(["--source", str(made["source"]), "--target", target, "--local-dir", str(tmp_path / "out")],
+                     capsys)
+    assert rc == 0, err
+    rc, _, err = run(["--source", str(made["source"]), "--target", target, "--local-dir", str(tmp_path / "m"),
+                      "--merged", "--base-model", str(made["base"])], capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert err.startswith(f"export_adapter.py: --merged-target='{target}-merged' is not a valid repo id")
+
+
 def _bad_rank(source: Path) -> None:
     config = json.loads((source / "adapter_config.json").read_text())
     config["r"] = 8
