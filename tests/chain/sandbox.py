@@ -10,8 +10,7 @@ and enforces no cpu/memory limits.
 
 The image root is built by setup.sh (.chain-image/root). CHAIN_IMAGES (JSON: image name -> [layer dirs, top first])
 says which images exist; a task naming any other image fails to start, as a sandbox whose image cannot be pulled
-does. CHAIN_SANDBOX_DIR holds the trials' overlays; CHAIN_HF_ENDPOINT, when set, is every exec's HF_ENDPOINT;
-CHAIN_IMAGE_ENV (JSON: name -> value) is every exec's too, as a Docker image's ENV lines are.
+does. CHAIN_SANDBOX_DIR holds the trials' overlays; CHAIN_HF_ENDPOINT, when set, is every exec's HF_ENDPOINT.
 CHAIN_FAULTS_FILE (JSON, read at each start: task name -> {"start": message} or {"layers": [dirs]}) makes a task's
 sandbox fail to start, or lays extra layers over its image (an image that differs from the one built).
 """
@@ -116,7 +115,6 @@ class BubblewrapEnvironment(BaseEnvironment):
         variables = {"PATH": PATH, "HOME": "/root", **OFFLINE}
         if os.environ.get("CHAIN_HF_ENDPOINT"):
             variables["HF_ENDPOINT"] = os.environ["CHAIN_HF_ENDPOINT"]
-        variables.update(json.loads(os.environ.get("CHAIN_IMAGE_ENV", "{}")))
         variables.update(self._merge_env(env) or {})
         argv = ["bwrap", "--bind", str(self._root), "/", "--dev", "/dev", "--proc", "/proc", "--unshare-pid",
                 "--unshare-ipc", "--unshare-uts", "--die-with-parent", "--clearenv",

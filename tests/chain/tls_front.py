@@ -3,11 +3,11 @@ terminated with a certificate from a CA made for the test, `Authorization` strip
 (tests/stubs/jobs_proxy_double.py), forwarded to the capture gateway's port.
 
 The sandbox image trusts that CA and resolves the host through one extra overlay layer (`trust_layer`): the image's
-CA bundle plus the test CA, and an /etc/hosts line for the host. curl and Python read that bundle; OpenCode 1.18.33
-is a Bun 1.3.14 binary that trusts only its own built-in roots (`unable to verify the first certificate`) unless
-NODE_EXTRA_CA_CERTS, SSL_CERT_FILE or NODE_USE_SYSTEM_CA=1 says otherwise: `IMAGE_ENV` is that line of the image's
-environment (the sandbox stand-in's CHAIN_IMAGE_ENV). A real job needs none of it: the Jobs proxy's certificate
-chains to a public root Bun knows. Key material lives under the test's tmp_path only.
+CA bundle plus the test CA, and an /etc/hosts line for the host. That bundle is all OpenCode needs: the 1.18.33
+binary is Bun 1.3.14 compiled with `--use-system-ca` (the plain Bun runtime in it, `BUN_BE_BUN=1`, trusts only its
+built-in roots and refuses the front: `unable to verify the first certificate`, until NODE_EXTRA_CA_CERTS,
+SSL_CERT_FILE or NODE_USE_SYSTEM_CA=1 points it at the bundle); curl and Python read the bundle too. A real job needs
+none of this: the Jobs proxy's certificate chains to a public root. Key material lives under the test's tmp_path only.
 """
 
 from __future__ import annotations
@@ -26,7 +26,6 @@ from cryptography.x509.oid import NameOID
 from stubs import jobs_proxy_double
 
 BUNDLE = "etc/ssl/certs/ca-certificates.crt"  # Debian's bundle (update-ca-certificates), in the image root
-IMAGE_ENV = {"NODE_EXTRA_CA_CERTS": f"/{BUNDLE}"}
 
 
 @dataclass(frozen=True)

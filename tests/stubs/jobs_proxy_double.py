@@ -42,7 +42,7 @@ def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ss
             data = reply.read()
             self.send_response(reply.status if hasattr(reply, "status") else reply.code)
             for key, value in reply.headers.items():
-                if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                if key.lower() not in ("transfer-encoding", "content-length", "connection", "date", "server"):
                     self.send_header(key, value)
             self.send_header("content-length", str(len(data)))
             self.end_headers()
