@@ -32,7 +32,8 @@ CAPTURE_CALL = "/capture/v1/chat/completions"
 
 @pytest.fixture(scope="module")
 def public(tmp_path_factory):
-    """serve_env.sh behind the TLS front, with the policy, bucket and tasks of test_chain; yields (Chain, host)."""
+    """serve_env.sh behind the TLS front, with test_chain's policy, bucket and tasks; yields (Chain, SPACE_HOST, the
+    front's address, the certificates)."""
     from chain import tls_front
     from chain.bucket import Bucket
     from harbor_fixture import BUCKET, materialized
