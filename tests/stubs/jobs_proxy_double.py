@@ -1,18 +1,26 @@
 """A stand-in for the HF Jobs proxy in front of the public port: forwards every request but drops the
-`Authorization` header (what the real proxy was seen to do). Records which headers it dropped."""
+`Authorization` header (what the real proxy was seen to do). Records which headers it dropped, and what it forwarded.
+
+Plain HTTP on a free loopback port by default; given an `ssl.SSLContext` and an address it is the job's public host
+as a sandbox sees it (`https://<host>/...` on port 443, tests/chain/tls_front.py), TLS terminated here."""
 
 from __future__ import annotations
 
+import socket
+import ssl
+import sys
 import threading
 import urllib.error
 import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 DROPPED: list[str] = []
+FORWARDED: list[tuple[str, str, dict[str, str]]] = []  # (method, path, the headers sent on), every request
 
 
-def start(upstream: str):
-    """Serve on a free 127.0.0.1 port in a daemon thread; returns the server."""
+def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ssl.SSLContext | None = None):
+    """Serve on `address` (a free 127.0.0.1 port unless given), over TLS with `tls`, in a daemon thread; returns the
+    server."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
@@ -25,6 +33,7 @@ def start(upstream: str):
                     DROPPED.append(value)
                 elif key.lower() not in ("host", "content-length", "connection"):
                     headers[key] = value
+            FORWARDED.append((self.command, self.path, {k.lower(): v for k, v in headers.items()}))
             request = urllib.request.Request(upstream + self.path, data=body, headers=headers, method=self.command)
             try:
                 reply = urllib.request.urlopen(request, timeout=60)
@@ -33,7 +42,7 @@ def start(upstream: str):
             data = reply.read()
             self.send_response(reply.status if hasattr(reply, "status") else reply.code)
             for key, value in reply.headers.items():
-                if key.lower() not in ("transfer-encoding", "content-length", "connection"):
+                if key.lower() not in ("transfer-encoding", "content-length", "connection", "date", "server"):
                     self.send_header(key, value)
             self.send_header("content-length", str(len(data)))
             self.end_headers()
@@ -44,6 +53,18 @@ def start(upstream: str):
         def log_message(self, *args: object) -> None:
             pass
 
-    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    class Server(ThreadingHTTPServer):
+        def get_request(self) -> tuple[socket.socket, object]:
+            """The accepted connection, TLS-wrapped when asked; the handshake runs in the request's own thread."""
+            sock, peer = super().get_request()
+            if tls is None:
+                return sock, peer
+            return tls.wrap_socket(sock, server_side=True, do_handshake_on_connect=False), peer
+
+        def handle_error(self, request: object, client_address: object) -> None:
+            if not isinstance(sys.exc_info()[1], (ssl.SSLError, ConnectionError)):  # a client refusing our CA: quiet
+                super().handle_error(request, client_address)
+
+    server = Server(address, Handler)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     return server
