@@ -390,6 +390,22 @@ def read_json(api: Any, repo_id: str, path: str, revision: str | None = None) ->
         return json.loads(Path(local).read_text())
 
 
+def head_holding(api: Any, repo_id: str, checkpoint: str, *, sleep: Callable[[float], None] | None = None) -> str:
+    """The head to download `checkpoint` at: repo_info's answer, read again after a wait (recipe.CAS_BACKOFF_S,
+    doubled) while that head lacks a checkpoint the latest listing holds, since a head read can lag the push that
+    completed it. A checkpoint the repo lacks altogether is no lag: its head is returned, for download_adapter to
+    refuse at once."""
+
+    def read() -> str:
+        head = api.repo_info(repo_id).sha
+        if checkpoint_complete(api.list_repo_files(repo_id, revision=head), checkpoint) or not checkpoint_complete(
+                api.list_repo_files(repo_id), checkpoint):
+            return head
+        raise StaleHead(f"the Hub still answers head {head[:12]}, which lacks the {checkpoint!r} pushed since")
+
+    return with_retries(f"read the head of {repo_id} holding {checkpoint!r}", read, compare_and_swap=True, sleep=sleep)
+
+
 def download_adapter(api: Any, repo_id: str, checkpoint: str, dest: Path, revision: str | None = None) -> Path:
     """Download only `checkpoint`'s adapter files into `dest`; refuse an incomplete upload."""
     folder = adapter_folder(checkpoint)

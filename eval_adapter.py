@@ -353,12 +353,14 @@ def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, co
     Stops with InfrastructureDown after EVAL_ABORT_STREAK unscorable cells in a row (recorded cells stay).
     """
     streak = 0
-    while True:
-        done = results.cells()
-        pending = [j for j in jobs if not is_final(done.get((j[0], int(j[2]["index"]))))]
-        if not pending:
-            return
-        streak = _run_round(factory, pending, done, results, max(1, concurrency), on_cell, streak)
+    while pending := pending_jobs(jobs, results):
+        streak = _run_round(factory, pending, results.cells(), results, max(1, concurrency), on_cell, streak)
+
+
+def pending_jobs(jobs: list[Job], results: ResultsFile) -> list[Job]:
+    """The jobs whose cell is not final yet (is_final) in `results`, for these weights."""
+    done = results.cells()
+    return [j for j in jobs if not is_final(done.get((j[0], int(j[2]["index"]))))]
 
 
 def _run_round(factory: SessionFactory, pending: list[Job], done: dict[tuple[str, int], dict[str, Any]],
@@ -513,6 +515,49 @@ def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: di
     return results
 
 
+def run_and_push(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile, factory: SessionFactory,
+                 jobs: list[Job], concurrency: int, *, adapter: tuple[LoraServer, str, Path] | None = None,
+                 check: Callable[[str], None] | None = None,
+                 finish: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): run the cells `jobs` still lack,
+    pushing every recipe.EVAL_PUSH_EVERY of them, then mark the file complete and push it.
+
+    `adapter` (vLLM, served name, folder) is hot-loaded for the run and unloaded however it ends; `finish(doc)`
+    completes the document from its cells (the full eval's summary) before it is marked complete; `check` goes to
+    every push (push_results). A file already complete with every job's cell final is left as it is: nothing is
+    loaded, nothing committed (`finish` still runs on the local copy, so the caller gets its summary).
+    """
+    idle = not pending_jobs(jobs, results)
+    if idle and results.doc.get("complete"):
+        if finish is not None:
+            finish(results.doc)
+        return
+    pushed = {"n": 0}
+
+    def on_cell(_: dict[str, Any]) -> None:
+        pushed["n"] += 1
+        if pushed["n"] % recipe.EVAL_PUSH_EVERY == 0:
+            push_results(api, repo_id, path_in_repo, results, check)
+
+    with loaded(*adapter) if adapter is not None and not idle else contextlib.nullcontext():
+        run_cells(factory, jobs, results, concurrency, on_cell)
+    if finish is not None:
+        finish(results.doc)
+    results.doc["complete"] = True
+    write_results(results.path, results.doc)
+    push_results(api, repo_id, path_in_repo, results, check)
+
+
+@contextlib.contextmanager
+def loaded(lora: LoraServer, name: str, path: Path) -> Iterator[None]:
+    """`path`'s adapter served as `name` for the block, unloaded however it ends (vLLM keeps a LoRA until told)."""
+    lora.load(name, path)
+    try:
+        yield
+    finally:
+        lora.unload(name)
+
+
 # --- Entry point ---------------------------------------------------------------------
 def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, tasks: list[dict[str, Any]],
              lora: LoraServer, work: Path, concurrency: int = recipe.EVAL_CONCURRENCY,
@@ -521,7 +566,7 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
 
     With `board`, the summary is also logged to the run's Trackio project, next to the training curves.
     """
-    revision = api.repo_info(repo_id).sha
+    revision = adapter_repo.head_holding(api, repo_id, checkpoint)
     adapter_dir = adapter_repo.download_adapter(api, repo_id, checkpoint, work / "adapter", revision=revision)
     path_in_repo = adapter_repo.full_results_path(checkpoint)
     doc = {
@@ -534,24 +579,14 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
     }
     results = pull_results(api, repo_id, path_in_repo, work / path_in_repo, doc)
     name = served_name(checkpoint)
-    lora.load(name, adapter_dir)
     jobs = [(side, model, t) for t in tasks for side, model in (("base", recipe.SERVED_MODEL_NAME), ("adapter", name))]
-    counter = {"n": 0}
 
-    def on_cell(_: dict[str, Any]) -> None:
-        counter["n"] += 1
-        if counter["n"] % recipe.EVAL_PUSH_EVERY == 0:
-            push_results(api, repo_id, path_in_repo, results)
+    def add_summary(doc: dict[str, Any]) -> None:
+        cells = current_cells(doc)
+        doc["summary"] = summarize(rewards(cells, "base"), rewards(cells, "adapter"))
 
-    try:
-        run_cells(factory, jobs, results, concurrency, on_cell)
-    finally:
-        lora.unload(name)
-    cells = current_cells(results.doc)
-    results.doc["summary"] = summarize(rewards(cells, "base"), rewards(cells, "adapter"))
-    results.doc["complete"] = True
-    write_results(results.path, results.doc)
-    push_results(api, repo_id, path_in_repo, results)
+    run_and_push(api, repo_id, path_in_repo, results, factory, jobs, concurrency, adapter=(lora, name, adapter_dir),
+                 finish=add_summary)
     if board is not None:
         board.log(summary_metrics(results.doc["summary"]))
     return results.doc

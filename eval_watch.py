@@ -63,12 +63,10 @@ from eval_adapter import (
     current_cells,
     eval_sampling,
     pull_results,
-    push_results,
     rewards,
-    run_cells,
+    run_and_push,
     served_name,
     summarize,
-    write_results,
 )
 
 logger = logging.getLogger("eval_watch")
@@ -183,30 +181,15 @@ class Watcher:
     def _results(self, path_in_repo: str, doc: dict[str, Any]) -> ResultsFile:
         return pull_results(self.api, self.repo_id, path_in_repo, self.work / path_in_repo, doc)
 
-    def _run(self, results: ResultsFile, path_in_repo: str, side: str, model: str,
-             tasks: list[dict[str, Any]]) -> None:
-        """Run the cells still missing, pushing every EVAL_PUSH_EVERY of them, then mark the file complete."""
-        counter = {"n": 0}
-
-        def on_cell(_: dict[str, Any]) -> None:
-            counter["n"] += 1
-            if counter["n"] % recipe.EVAL_PUSH_EVERY == 0:
-                push_results(self.api, self.repo_id, path_in_repo, results, self.check_run)
-
-        run_cells(self.factory, [(side, model, t) for t in tasks], results, self.concurrency, on_cell)
-        results.doc["complete"] = True
-        write_results(results.path, results.doc)
-        push_results(self.api, self.repo_id, path_in_repo, results, self.check_run)
-
     def ensure_base(self, tasks: list[dict[str, Any]]) -> None:
         """Base-model cells on the subset, computed once and kept in the repo."""
         doc = {"schema": 1, "kind": "watch-base", "base_model": recipe.BASE_MODEL, "weights": {"base": BASE_WEIGHTS},
                "subset": [t["index"] for t in tasks], "complete": False,
                "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS}}
         results = self._results(WATCH_BASE_PATH, doc)
-        if not results.doc.get("complete"):
-            logger.info("evaluating the base model on %d tasks", len(tasks))
-            self._run(results, WATCH_BASE_PATH, "base", recipe.SERVED_MODEL_NAME, tasks)
+        logger.info("base model on %d tasks: %s", len(tasks), "done" if results.doc.get("complete") else "evaluating")
+        run_and_push(self.api, self.repo_id, WATCH_BASE_PATH, results, self.factory,
+                     [("base", recipe.SERVED_MODEL_NAME, t) for t in tasks], self.concurrency, check=self.check_run)
 
     # -- one checkpoint ------------------------------------------------------------------------
     def evaluate(self, name: str, step: int, revision: str, tasks: list[dict[str, Any]]) -> None:
@@ -217,15 +200,11 @@ class Watcher:
                "weights": {"adapter": adapter_weights(adapter)}, "subset": [t["index"] for t in tasks],
                "complete": False}
         results = self._results(path_in_repo, doc)
-        if results.doc.get("complete"):
-            return
         model = served_name(name)
         logger.info("evaluating %s (step %d) as %s", name, step, model)
-        self.lora.load(model, adapter)
-        try:
-            self._run(results, path_in_repo, "adapter", model, tasks)
-        finally:
-            self.lora.unload(model)
+        run_and_push(self.api, self.repo_id, path_in_repo, results, self.factory,
+                     [("adapter", model, t) for t in tasks], self.concurrency, adapter=(self.lora, model, adapter),
+                     check=self.check_run)
 
     def publish_summary(self) -> dict[str, Any]:
         """Recount eval/summary.json + the curve from the repo's per-checkpoint files, as one CAS commit."""

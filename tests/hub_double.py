@@ -12,7 +12,9 @@ Two behaviours of the Hub reported from production (FACTS.md, "Hub commits") are
 another commit on the same repo is refused with HTTP 409 (`COMMIT_IN_PROGRESS`), and with `stale_reads` set, the
 head that `repo_info`/`model_info` answer lags behind a commit for that many reads, as the Hub's cache does.
 
-Not modelled: history. `revision` is accepted, but every read sees the latest tree.
+History is modelled as far as reads go: a read at `revision` = one of this double's own commit ids sees the tree
+that commit left (as on the Hub, where a commit id is an immutable snapshot), so a reader holding a lagging head reads
+the older tree. Any other revision (None, a branch name, an id from elsewhere) reads the latest tree.
 
 `run_job` mirrors huggingface_hub 2.4.0's `HfApi.run_job` (launch.py runs on >= 2.1.1; `expose_public` does not
 exist in the 1.x installed here): its parameters are checked against `RUN_JOB_2_4_0` in the contract test.
@@ -64,6 +66,7 @@ class LocalHub:
         self._heads: dict[str, int] = {}
         self._stale: dict[str, tuple[str, int]] = {}  # repo -> (the head reads still answer, reads left)
         self._committing: set[str] = set()  # repos with a commit being applied
+        self._trees: dict[str, dict[str, dict[str, str]]] = {}  # repo -> commit id -> {path: blob name}
         self._lock = threading.Lock()
 
     # -- repos -----------------------------------------------------------------
@@ -86,6 +89,7 @@ class LocalHub:
                             f"the namespace {repo_id.split('/')[0]!r}", method="POST")
         path.mkdir(parents=True, exist_ok=True)
         self._heads.setdefault(repo_id, 0)
+        self._trees.setdefault(repo_id, {}).setdefault(self.head(repo_id), self._snapshot(path))
         prefix = "datasets/" if repo_type == "dataset" else ""
         return RepoUrl(f"{ENDPOINT}/{prefix}{repo_id}")
 
@@ -112,19 +116,40 @@ class LocalHub:
         """The repo's head commit id: a 40-hex id that changes with every commit."""
         return hashlib.sha1(f"{repo_id}@{self._heads.get(repo_id, 0)}".encode()).hexdigest()
 
+    # -- history -----------------------------------------------------------------
+    def _snapshot(self, repo: Path) -> dict[str, str]:
+        """{path: blob name} of the repo folder as it is now, each content stored once under root/.blobs."""
+        blobs = self.root / ".blobs"
+        blobs.mkdir(parents=True, exist_ok=True)
+        tree = {}
+        for file in sorted(p for p in repo.rglob("*") if p.is_file()):
+            name = hashlib.sha256(file.read_bytes()).hexdigest()
+            if not (blobs / name).is_file():
+                shutil.copyfile(file, blobs / name)
+            tree[file.relative_to(repo).as_posix()] = name
+        return tree
+
+    def _files(self, repo_id: str, revision: str | None) -> dict[str, Path]:
+        """{path: the file with its content} of the repo at `revision`: the tree that commit left if it is one of this
+        double's past commits, else the latest tree."""
+        repo = self._repo(repo_id)
+        tree = self._trees.get(repo_id, {}).get(revision or "") if revision != self.head(repo_id) else None
+        if tree is None:
+            return {p.relative_to(repo).as_posix(): p for p in repo.rglob("*") if p.is_file()}
+        return {path: self.root / ".blobs" / name for path, name in tree.items()}
+
     # -- reads -----------------------------------------------------------------
     def list_repo_files(self, repo_id: str, *, revision: str | None = None, repo_type: str | None = None) -> list[str]:
-        repo = self._repo(repo_id)
-        return sorted(p.relative_to(repo).as_posix() for p in repo.rglob("*") if p.is_file())
+        return sorted(self._files(repo_id, revision))
 
     def file_exists(self, repo_id: str, filename: str, *, repo_type: str | None = None,
                     revision: str | None = None) -> bool:
-        return (self._repo(repo_id) / filename).is_file()
+        return filename in self._files(repo_id, revision)
 
     def hf_hub_download(self, repo_id: str, filename: str, *, repo_type: str | None = None,
                         revision: str | None = None, local_dir: str | Path | None = None) -> str:
-        src = self._repo(repo_id) / filename
-        if not src.is_file():
+        src = self._files(repo_id, revision).get(filename)
+        if src is None:
             raise_hub_error(404, f"{ENDPOINT}/{repo_id}/resolve/{revision or 'main'}/{filename}", "Entry not found",
                             "EntryNotFound", method="HEAD")
         dest = Path(local_dir) / filename if local_dir else self.root / ".cache" / repo_id / filename
@@ -136,9 +161,9 @@ class LocalHub:
                           local_dir: str | Path | None = None, allow_patterns: list[str] | str | None = None) -> str:
         patterns = [allow_patterns] if isinstance(allow_patterns, str) else allow_patterns
         dest = Path(local_dir) if local_dir else self.root / ".cache" / repo_id
-        for name in self.list_repo_files(repo_id):
+        for name in self.list_repo_files(repo_id, revision=revision):
             if patterns is None or any(fnmatch.fnmatch(name, p) for p in patterns):
-                self.hf_hub_download(repo_id, name, local_dir=dest)
+                self.hf_hub_download(repo_id, name, revision=revision, local_dir=dest)
         return str(dest)
 
     # -- writes ----------------------------------------------------------------
@@ -174,9 +199,11 @@ class LocalHub:
             self._committing.add(repo_id)
         try:
             paths = [self._apply(repo, op) for op in operations]
+            tree = self._snapshot(repo)
             with self._lock:
                 before = self.head(repo_id)
                 self._heads[repo_id] = self._heads.get(repo_id, 0) + 1
+                self._trees.setdefault(repo_id, {})[self.head(repo_id)] = tree
                 self.commits.append((repo_id, commit_message, paths))
                 if self.stale_reads:
                     self._stale[repo_id] = (before, self.stale_reads)

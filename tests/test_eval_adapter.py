@@ -506,6 +506,52 @@ def test_a_rerun_eval_reuses_only_cells_of_the_same_adapter_and_keeps_the_others
         "summary"] == doc["summary"] and same.calls == []
 
 
+def lora_posts(vllm) -> list[str]:
+    return [p for m, p, _ in vllm.requests if m == "POST" and "lora_adapter" in p]
+
+
+def test_a_full_eval_of_weights_already_evaluated_loads_no_adapter_and_commits_nothing(hub, vllm, adapter_dir,
+                                                                                       tmp_path):
+    """The watcher's rule, now the full eval's too (one loop): a results file already complete for these weights on
+    every task is left as it is; no adapter is hot-loaded into vLLM and no commit is made for nothing new."""
+    tasks = _tasks(3)
+    lora = ea.LoraServer(vllm.url)
+    push_folder(hub, REPO, adapter_dir, "")
+    first = ea.evaluate(hub, REPO, adapter_repo.FINAL, EvalFactoryDouble(vllm.url, lambda t, m: float(t == 1)), tasks,
+                        lora, tmp_path / "work", concurrency=1)
+    commits, posts = len(hub.commits), len(lora_posts(vllm))
+    again = EvalFactoryDouble(vllm.url, lambda t, m: 0.0)
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, again, tasks, lora, tmp_path / "fresh", concurrency=1)
+    assert again.calls == [] and doc["summary"] == first["summary"] and doc["complete"]
+    assert lora_posts(vllm)[posts:] == []
+    assert len(hub.commits) == commits
+
+
+
+def test_a_full_eval_started_while_the_head_read_lags_the_final_push_evaluates_that_push(hub, vllm, adapter_dir,
+                                                                                         tmp_path, monkeypatch):
+    """FACTS "Hub commits": right after the trainer's final push, repo_info can still answer the head before it. The
+    eval reads the head again after a wait until it holds the adapter, instead of refusing one that is there; a
+    checkpoint the repo does not hold at all is still refused at once."""
+    waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
+    hub.stale_reads = 2
+    push_folder(hub, REPO, adapter_dir, "")  # the trainer's final push; the next 2 head reads answer the one before
+    lora = ea.LoraServer(vllm.url)
+    doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, EvalFactoryDouble(vllm.url, lambda t, m: 1.0), _tasks(2), lora,
+                      tmp_path / "work", concurrency=1)
+    assert waits == [recipe.CAS_BACKOFF_S, 2 * recipe.CAS_BACKOFF_S]
+    assert adapter_repo.checkpoint_complete(hub.list_repo_files(REPO, revision=doc["adapter_revision"]),
+                                            adapter_repo.FINAL)
+    assert doc["weights"]["adapter"] == ea.adapter_weights(adapter_dir) and doc["summary"]["adapter"]["correct"] == 2
+
+    waits.clear()
+    with pytest.raises(recipe.ConfigError, match="no complete adapter for 'checkpoint-7'"):
+        ea.evaluate(hub, REPO, "checkpoint-7", EvalFactoryDouble(vllm.url, lambda t, m: 1.0), _tasks(2), lora,
+                    tmp_path / "work", concurrency=1)
+    assert waits == []
+
+
 # --- run_eval.sh ---------------------------------------------------------------------------------------------------
 ROOT = Path(__file__).resolve().parent.parent
 

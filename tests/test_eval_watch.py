@@ -392,6 +392,31 @@ def test_a_smoke_watcher_whose_run_is_cleared_under_it_starts_over_on_the_new_ru
     assert len(base_calls) == 2 * (N_TASKS + retries)  # the first run's base cells, then the new run's
 
 
+def test_a_watcher_whose_head_read_lags_evaluates_each_checkpoint_at_a_commit_that_holds_its_weights(hub, vllm,
+                                                                                                    tmp_path):
+    """FACTS "Hub commits": repo_info can answer a head older than the latest push. Safe as it is: the watcher lists
+    the checkpoints and downloads them at that one head, an immutable commit, so it never asks for a checkpoint the
+    head lacks nor gets other weights under a checkpoint's name; a later poll, reading a newer head, finds the rest."""
+    pushed = {name: save_tiny_adapter(tmp_path / name, seed=seed)
+              for seed, name in enumerate(["checkpoint-100", "checkpoint-200", adapter_repo.FINAL])}
+    push_folder(hub, REPO, pushed["checkpoint-100"], "checkpoint-100", marker=True)
+    assert watcher(hub, vllm, EvalFactoryDouble(vllm.url, outcome), tmp_path / "w1", max_idle_s=0).run() == "idle"
+    hub.stale_reads = 2  # the head reads after the final push answer the commit holding checkpoint-200 only
+    push_folder(hub, REPO, pushed["checkpoint-200"], "checkpoint-200", marker=True)
+    push_folder(hub, REPO, pushed[adapter_repo.FINAL], "")
+
+    factory = EvalFactoryDouble(vllm.url, outcome)
+    assert watcher(hub, vllm, factory, tmp_path / "w2").run() == "final"
+    assert [m for _, m in factory.calls] == ["opencode-lora-checkpoint-200"] * N_TASKS + [
+        "opencode-lora-final"] * N_TASKS
+    for name, folder in pushed.items():
+        doc = repo_json(hub, adapter_repo.watch_results_path(name))
+        assert doc["complete"] and doc["weights"]["adapter"] == ea.adapter_weights(folder)
+        assert adapter_repo.checkpoint_complete(hub.list_repo_files(REPO, revision=doc["adapter_revision"]), name)
+    lagged = repo_json(hub, adapter_repo.watch_results_path("checkpoint-200"))["adapter_revision"]
+    assert not adapter_repo.checkpoint_complete(hub.list_repo_files(REPO, revision=lagged), adapter_repo.FINAL)
+
+
 def test_idle_watcher_stops_after_max_idle_hours(hub, vllm, tmp_path):
     clock = Clock()
     factory = EvalFactoryDouble(vllm.url, outcome)

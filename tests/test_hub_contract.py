@@ -110,3 +110,19 @@ def test_the_double_returns_the_real_annotated_types(tmp_path):
     assert isinstance(commit, huggingface_hub.CommitInfo) and not hasattr(commit, "sha")
     assert re.fullmatch(r"[0-9a-f]{40}", commit.oid)
     assert results["repo_info"].sha == results["upload_folder"].oid  # the head is the last commit's id
+
+
+def test_a_read_at_one_of_the_doubles_commits_sees_the_tree_that_commit_left(tmp_path):
+    """As on the Hub, a commit id is a snapshot: a reader holding a lagging head reads that head's files, not the latest
+    (the lag tests of eval_adapter and eval_watch rest on it); any other revision reads the latest tree."""
+    hub = LocalHub(tmp_path / "hub")
+    hub.create_repo(REPO)
+    first = hub.upload_file(path_or_fileobj=b"1", path_in_repo="a.json", repo_id=REPO).oid
+    hub.create_commit(REPO, [CommitOperationAdd("a.json", b"2"), CommitOperationAdd("b/c.json", b"3")],
+                      commit_message="second")
+    assert hub.list_repo_files(REPO, revision=first) == ["a.json"]
+    assert not hub.file_exists(REPO, "b/c.json", revision=first) and hub.file_exists(REPO, "b/c.json")
+    old = hub.hf_hub_download(REPO, "a.json", revision=first, local_dir=tmp_path / "old")
+    new = hub.hf_hub_download(REPO, "a.json", revision="main", local_dir=tmp_path / "new")
+    assert (Path(old).read_bytes(), Path(new).read_bytes()) == (b"1", b"2")
+    assert hub.list_repo_files(REPO, revision=hub.head(REPO)) == hub.list_repo_files(REPO) == ["a.json", "b/c.json"]
