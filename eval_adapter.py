@@ -540,7 +540,11 @@ def run_and_push(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
             push_results(api, repo_id, path_in_repo, results, check)
 
     with loaded(*adapter) if adapter is not None and not idle else contextlib.nullcontext():
-        run_cells(factory, jobs, results, concurrency, on_cell)
+        try:
+            run_cells(factory, jobs, results, concurrency, on_cell)
+        except InfrastructureDown:
+            push_results(api, repo_id, path_in_repo, results, check)  # the cells since the last push are kept too
+            raise
     if finish is not None:
         finish(results.doc)
     results.doc["complete"] = True

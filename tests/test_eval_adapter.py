@@ -431,6 +431,23 @@ def test_results_push_refused_by_the_hub_stops_at_once_with_one_line(hub, tmp_pa
     assert f"HTTP {status}" in str(caught.value) and "\n" not in str(caught.value)
 
 
+def test_an_eval_stopped_by_a_server_outage_pushes_every_cell_it_recorded(hub, vllm, adapter_dir, tmp_path,
+                                                                         monkeypatch):
+    """Nothing is lost: the cells recorded since the last periodic push reach the Hub before the outage stops the
+    job, so a relaunch on a fresh machine reruns only what never ran (or failed)."""
+    monkeypatch.setattr(recipe, "EVAL_PUSH_EVERY", 3)
+    monkeypatch.setattr(recipe, "EVAL_ABORT_STREAK", 4)
+    push_folder(hub, REPO, adapter_dir, "")
+    down = EvalFactoryDouble(vllm.url, lambda t, m: None)  # every rollout fails: the servers are down
+    with pytest.raises(ea.InfrastructureDown):
+        ea.evaluate(hub, REPO, adapter_repo.FINAL, down, _tasks(8), ea.LoraServer(vllm.url), tmp_path / "work",
+                    concurrency=1)
+    path = adapter_repo.full_results_path(adapter_repo.FINAL)
+    pushed = json.loads((hub.root / REPO / path).read_text())
+    assert len(pushed["cells"]) == recipe.EVAL_ABORT_STREAK and not pushed["complete"]
+    assert pushed["cells"] == json.loads((tmp_path / "work" / path).read_text())["cells"]
+
+
 def test_full_eval_base_vs_final_adapter_resumes_and_pushes(hub, vllm, adapter_dir, tmp_path, monkeypatch):
     monkeypatch.setattr(recipe, "EVAL_PUSH_EVERY", 3)
     push_folder(hub, REPO, adapter_dir, "")  # the final adapter at the repo root
