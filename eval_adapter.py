@@ -11,7 +11,7 @@ the base model under its own name and the adapter as a runtime-loaded LoRA.
 
 Results are rewritten atomically after every cell and pushed every recipe.EVAL_PUSH_EVERY cells, so
 a killed eval (or a fresh job) re-runs only cells without a result. A graded rollout counts with its grade,
-also when its agent timed out or exited non-zero (harbor_sessions.graded_reward); an unscorable cell (no grade:
+also when its agent timed out or exited non-zero (recipe.graded_reward); an unscorable cell (no grade:
 the rollout did not run, no agent turn reached the model, or the verifier wrote no reward: infrastructure, not a
 wrong answer) is kept apart and retried up to recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json
 in the adapter repo (eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
@@ -233,9 +233,8 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
             result = getattr(session, "result", None)
             session.close()
     check_output_cap(result)
-    from harbor_sessions import graded_reward  # the session client's rule; openenv is loaded by now
 
-    reward = graded_reward(result)
+    reward = recipe.graded_reward(result)
     scored = reward is not None
     turns = [t for t in (getattr(result, "turns", None) or []) if t.role == "agent" and not t.discarded]
     not_ok = scored and not getattr(result, "ok", False)  # graded, though the env server marked it failed

@@ -38,22 +38,6 @@ VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "Downl
                           "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
 
 
-def graded_reward(result: Any) -> float | None:
-    """The grade a finished rollout earned the policy, or None when it has none (unscorable: infrastructure).
-
-    Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
-    (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
-    reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
-    or the proxy refused it: the verifier graded an untouched workspace) is no grade. The eval, the training
-    sessions' verify() and rollout_guard all decide with this.
-    """
-    reward = getattr(result, "reward", None)
-    turns = getattr(result, "turns", None) or []
-    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
-        return None
-    return float(reward)
-
-
 def instruction_key(instruction: str) -> str:
     """The task key TRL's prompt is matched by: TRL hands `create()` the prompt only, never the task index."""
     return hashlib.sha1(instruction.strip().encode()).hexdigest()
@@ -146,13 +130,13 @@ class HarborRolloutSession(ResourceSession):
         return to_training_trace(self.result)
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        """The verifier's grade of what the policy did (graded_reward: a timed-out or non-zero agent exit counts as
-        graded); None, unscorable, when there is no grade. A verifier that crashed raises, so the rollout is
+        """The verifier's grade of what the policy did (recipe.graded_reward: a timed-out or non-zero agent exit
+        counts as graded); None, unscorable, when there is no grade. A verifier that crashed raises, so the rollout is
         unscorable for its grade, not for the agent.
         """
         if self.result is not None and self.result.exception_type in VERIFIER_FAILURE_TYPES:
             raise RuntimeError(self.error)
-        return VerifyResult(env_reward=graded_reward(self.result), done=True,
+        return VerifyResult(env_reward=recipe.graded_reward(self.result), done=True,
                             metrics={"task_name": self.task_name, "trial": self.trial_name})
 
     @property

@@ -341,6 +341,14 @@ SMOKE_MAX_FORK = 0.05
 # adds to it: the offsets past prompt_index of the groups already consumed, which a resumed start skips.
 ROLLOUT_STATE = "rollout_state.json"
 CONSUMED_AHEAD = "consumed_ahead"
+# The rollout counts (rollout_guard.Ledger, written in TRL's rollout child), next to the heartbeat: the trainer's
+# dashboard callback, its heartbeat log line and the smoke report all read them there.
+LEDGER_NAME = "rollouts.json"
+
+
+def ledger_path(heartbeat_file: str | Path) -> Path:
+    """Where the rollout counts live: next to the heartbeat, so the smoke report and live metrics find both."""
+    return Path(heartbeat_file).with_name(LEDGER_NAME)
 
 
 def write_atomic(path: str | Path, text: str) -> None:
@@ -366,6 +374,23 @@ def read_json(path: str | Path) -> Any:
         return json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
+
+
+# --- Rewards: the rule the training sessions, the rollout guard and the eval share ---------
+def graded_reward(result: Any) -> float | None:
+    """The grade a finished rollout earned the policy, or None when it has none (unscorable: infrastructure).
+
+    Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
+    (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
+    reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
+    or the proxy refused it: the verifier graded an untouched workspace) is no grade. `result` is OpenEnv's
+    HarborRolloutResult (read by attribute, so this module needs no openenv).
+    """
+    reward = getattr(result, "reward", None)
+    turns = getattr(result, "turns", None) or []
+    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
+        return None
+    return float(reward)
 
 
 # --- Checks shared by every entry point ----------------------------------------

@@ -32,7 +32,7 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker,
 
 import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
-from run_metrics import CountingRolloutLoop, RecipeRolloutWorker
+from run_metrics import RecipeRolloutLoop, RecipeRolloutWorker
 
 EMPTY_GROUPS_FILE = "empty_groups.json"  # in the output folder: groups of this start that scored to no sample
 
@@ -68,7 +68,7 @@ def next_position(start: int, consumed: Iterable[int]) -> dict[str, Any]:
     return {"prompt_index": start + first, CONSUMED_AHEAD: sorted(g - first for g in done if g > first)}
 
 
-class PositionedRolloutLoop(CountingRolloutLoop):
+class PositionedRolloutLoop(RecipeRolloutLoop):
     """The recipe's rollout loop (run_metrics), resuming after every consumed group and reporting empty ones."""
 
     def __init__(self, *, consumed_ahead: Iterable[int] = (), empty_groups_file: str = "",

@@ -5,14 +5,18 @@ TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollou
 `fetch_training_trace()` (or from reconciling its turns) into CaptureContractError, which stops the rollout worker
 and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
 with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward. Such a
-rollout fails here only when it has no grade (harbor_sessions.graded_reward, the eval's rule too): a graded one
+rollout fails here only when it has no grade (recipe.graded_reward, the eval's rule too): a graded one
 (an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below.
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
-ledger (LEDGER_NAME, next to the trainer's heartbeat), and raise SystematicRolloutFailure, which TRL cannot
+ledger (recipe.ledger_path, next to the trainer's heartbeat), and raise SystematicRolloutFailure, which TRL cannot
 swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT_MAX_UNSCORABLE of the last
 ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
+
+The ledger is the run's one rollout counter: the trainer (another process) logs its growth each step as the
+dashboard's rollout counts (LedgerGrowth, through run_metrics.RolloutCounts); the heartbeat's log line and the
+smoke report read it too.
 """
 
 from __future__ import annotations
@@ -24,14 +28,13 @@ import time
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import recipe
 from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
-LEDGER_NAME = "rollouts.json"
 
 
 class RolloutFailure(RuntimeError):
@@ -43,11 +46,6 @@ class SystematicRolloutFailure(BaseException):
     session step would otherwise score it as one more unscorable rollout."""
 
 
-def ledger_path(heartbeat_file: str | Path) -> Path:
-    """Where the rollout counts live: next to the heartbeat, so the smoke report and live metrics find both."""
-    return Path(heartbeat_file).with_name(LEDGER_NAME)
-
-
 def read_ledger(path: str | Path) -> dict[str, Any] | None:
     """The ledger's last state, or None if the rollout worker has not written it yet."""
     return recipe.read_json(path)
@@ -56,9 +54,11 @@ def read_ledger(path: str | Path) -> dict[str, Any] | None:
 class Ledger:
     """Counts every finished rollout by outcome and decides when failures are systematic (thread-safe).
 
-    Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out,
-    unscorable: {class: n}, unscorable_total, streak, window: {size, unscorable}, last_error: {class, error, at},
-    timing, stopped}. `stopped` is the one line the job stops with, else null.
+    Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out, forked,
+    tool_calls, unscorable: {class: n}, unscorable_total, streak, window: {size, unscorable}, last_error: {class,
+    error, at}, timing, stopped}. `stopped` is the one line the job stops with, else null. `timed_out` counts every
+    rollout whose agent hit its time limit (scored or not); `forked` (its capture trains as several rows) and
+    `tool_calls` (their sum) count the scored rollouts only, the ones TRL trains.
 
     `timing` = {"count": n, "max": {part: s, "setup_s": s}} over the rollouts recorded with a non-empty `timing`
     (sandbox_lifecycle.trial_timing of their Harbor trial): for each part of sandbox_lifecycle.TIMING_PARTS the
@@ -75,17 +75,19 @@ class Ledger:
         self._streak: list[str] = []
         self.state: dict[str, Any] = {
             "schema": 1, "started": time.time(), "updated": time.time(), "rollouts": 0, "scored": 0,
-            "timed_out": 0, "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
+            "timed_out": 0, "forked": 0, "tool_calls": 0, "unscorable": dict.fromkeys(FAILURE_CLASSES, 0),
+            "unscorable_total": 0, "streak": 0,
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
-               timing: Mapping[str, float] | None = None) -> None:
+               timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0) -> None:
         """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
-        (sandbox_lifecycle.trial_timing). Raises SystematicRolloutFailure on a trip, ValueError for a timing part not
-        in TIMING_PARTS (a caller's bug, refused before anything is counted)."""
+        (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture). Raises
+        SystematicRolloutFailure on a trip, ValueError for a timing part not in TIMING_PARTS (a caller's bug, refused
+        before anything is counted)."""
         unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
         if unknown:
             raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
@@ -100,6 +102,8 @@ class Ledger:
             self._recent.append(failure)
             if failure is None:
                 state["scored"] += 1
+                state["forked"] += forked
+                state["tool_calls"] += tool_calls
                 self._streak.clear()
             else:
                 state["unscorable"][failure] += 1
@@ -136,16 +140,24 @@ class Ledger:
         recipe.write_json(self.path, self.state)
 
 
-def _trl_sequences(trace: Any) -> list[Any]:
+class Capture(NamedTuple):
+    """What TRL 1.15 trains a rollout's trace as: its rows, whether it forked, its tool calls (TRL's own counts)."""
+
+    sequences: list[Any]
+    forked: bool
+    tool_calls: int
+
+
+def _trl_capture(trace: Any) -> Capture:
     """What TRL 1.15 will make of this trace (same calls, same order as `_run_session`); raises where TRL would."""
     from trl.experimental.async_grpo.async_rollout_worker import _chain_to_sequences
-    from trl.experimental.async_grpo.openenv_harness import _turns_from_training_trace
+    from trl.experimental.async_grpo.openenv_harness import _tool_call_counts_by_name, _turns_from_training_trace
 
     turns = _turns_from_training_trace(trace)
-    trace.to_trace_entries()
+    entries = trace.to_trace_entries()
     # fork threshold 0: what TRL's loop-owning path uses with lossless capture (its default).
-    sequences, _ = _chain_to_sequences(turns, "guard-check", 0)
-    return sequences
+    sequences, tally = _chain_to_sequences(turns, "guard-check", 0)
+    return Capture(sequences, tally["fork"] > 0, sum(_tool_call_counts_by_name(entries).values()))
 
 
 def _describe(error: BaseException) -> str:
@@ -160,6 +172,7 @@ class GuardedSession:
         self.failure: str | None = None
         self.error = ""
         self.timed_out = False
+        self.capture: Capture | None = None  # set once the trace passed fetch_training_trace's checks
         self._waited = False  # wait_for_completion() returned or raised: the rollout ran to an end
         self._waiting = False
         self._stopped_early = False  # closed while still running: the trainer is stopping, not a failure
@@ -196,10 +209,9 @@ class GuardedSession:
             raise self._fail("rollout", _describe(error)) from error
         finally:
             self._waiting, self._waited = False, True
-        from harbor_sessions import graded_reward  # here, not at the top: the launcher imports this module, not openenv
-
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
-        if code and graded_reward(result) is None:  # graded (a timed-out or non-zero agent exit): trained as graded
+        # Graded (a timed-out or non-zero agent exit): trained with its grade. Not graded: the rollout failed.
+        if code and recipe.graded_reward(result) is None:
             reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
             self._fail("rollout", f"exit code {code}" + (f": {reason}" if reason else ""))
         return code
@@ -210,11 +222,12 @@ class GuardedSession:
             raise RolloutFailure(f"{self.failure}: {self.error}")
         try:
             trace = self.inner.fetch_training_trace()
-            sequences = _trl_sequences(trace)
+            capture = _trl_capture(trace)
         except Exception as error:
             raise self._fail("capture", _describe(error)) from error
-        if not sequences:
+        if not capture.sequences:
             raise self._fail("empty_trace", f"no trainable turn captured ({len(trace.turns)} turns)")
+        self.capture = capture
         return trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> Any:
@@ -241,8 +254,10 @@ class GuardedSession:
             if self._waited and not self._stopped_early and not self._recorded:
                 self._recorded = True
                 # The inner session times its trial when it closes (harbor_sessions; scripted sessions do not).
+                capture = self.capture or Capture([], False, 0)
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
-                                   timing=getattr(self.inner, "timing", None))
+                                   timing=getattr(self.inner, "timing", None), forked=capture.forked,
+                                   tool_calls=capture.tool_calls)
 
 
 class GuardedSessionFactory:
@@ -289,3 +304,39 @@ def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> No
         return
     progress = min(max(stepped, finished), time.time())
     os.utime(heartbeat, (progress, progress))
+
+
+# The dashboard's rollout counts (TRL sums a `total` over the logging window): metric -> the ledger's counter.
+ROLLOUT_COUNTS = {"rollout/finished_total": "rollouts", "rollout/unscorable_total": "unscorable_total",
+                  "rollout/timed_out_total": "timed_out", "rollout/forked_total": "forked"}
+TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per scored rollout: a (calls, rollouts) rate, as TRL reduces
+
+
+class LedgerGrowth:
+    """What the ledger counted since the last look, as the dashboard logs it (read in the trainer's process).
+
+    The ledger is written by the rollout child, a separate process, so this reads its file: each look returns the
+    ledger's growth since the previous one. A rollout is in the ledger before its samples can reach the trainer (TRL
+    closes the session, which records it, before the group is scored), so a step's look counts every rollout the
+    step trains. Only this start's ledger counts (`started` at or after this object was made: a file an earlier
+    start left is not this run's), and a new ledger (a restarted child) is counted from zero.
+    """
+
+    def __init__(self, ledger_file: str | Path) -> None:
+        self.path = Path(ledger_file)
+        self.since = time.time()  # made before train() starts the rollout child, which begins the ledger
+        self._last: dict[str, Any] = {}
+
+    def take(self) -> dict[str, float | tuple[float, float]]:
+        """The ledger's growth since the last call, by dashboard metric; {} while this start has no ledger."""
+        ledger = read_ledger(self.path)
+        if not ledger or ledger.get("started", 0) < self.since:
+            return {}
+        last = self._last if self._last.get("started") == ledger["started"] else {}
+        self._last = ledger
+        grown = {key: ledger[key] - last.get(key, 0) for key in (*ROLLOUT_COUNTS.values(), "scored", "tool_calls")}
+        counts: dict[str, float | tuple[float, float]] = {
+            metric: float(grown[key]) for metric, key in ROLLOUT_COUNTS.items()}
+        if grown["scored"]:
+            counts[TOOL_CALLS_MEAN] = (float(grown["tool_calls"]), float(grown["scored"]))
+        return counts

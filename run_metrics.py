@@ -2,11 +2,11 @@
 
 TRL already logs, per optimizer step: `reward`, `kl`, `entropy`, `ratio` (importance-ratio mean), clip ratios,
 `perf/weight_sync_s`, `perf/step_s`, `sample/staleness_mean|max`, `sample/time_in_queue_s`, `rollout/fork_frac`,
-`tools/call_frequency` (groups with tool calls only), and rollout traces when Trackio is the reporter. Added here:
+`tools/call_frequency` (groups with tool calls only), and rollout traces when Trackio is the reporter. The rollout
+counts (`rollout/finished_total`, `rollout/unscorable_total`, `rollout/timed_out_total`, `rollout/forked_total`,
+`rollout/tool_calls_mean`) are the rollout guard's ledger (rollout_guard.LedgerGrowth), logged each step by
+RolloutCounts. Added here:
 
-- `rollout/finished_total`, `rollout/unscorable_total` (no reward: the session, rollout or verifier failed),
-  `rollout/timed_out_total` (agent hit its time limit), `rollout/forked_total` (its capture forked a new row),
-  `rollout/tool_calls_mean` (tool calls per rollout that ran), counted in the rollout worker's child process;
 - `ratio/sample_min`, `ratio/sample_max`: the range of the per-sample importance-ratio means of the step (one
   sample per training row, see train_lora.conv_safe_batching);
 - `perf/weight_sync_fused_tensors` is logged by weight_sync.MergeFreeAsyncGRPOTrainer itself;
@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import math
 import os
-import threading
+from pathlib import Path
 from typing import Any
 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
@@ -30,84 +30,30 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, Rollo
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
 
 import dashboard
+import rollout_guard
 
 # Per sample: 1.0 if the rollout it came from forked into several training rows (lossless capture), else 0.0. TRL's
 # collator averages per-sample metrics over each micro-batch, so the step's log holds the share of its trained samples
 # that are parts of a forked rollout: on every step, unlike TRL's `rollout/fork_frac` (forks per turn transition of the
 # rollouts that finished in the window, absent when none did).
 FORKED_FRAC = "sample/forked_frac"
-Rollout = tuple[Any, ...]  # TRL's (completion, completion_ids, sequences, tool_calls, tool_failures, reward)
 
 
-Counts = dict[str, float | tuple[float, float]]  # TRL's metric shapes: a counter, or a (numerator, denominator) rate
-
-
-def rollout_counts(result: Rollout, metrics: dict[str, Any] | None) -> Counts:
-    """What one finished rollout adds to the step's metrics; `metrics` is None when TRL dropped the rollout.
-
-    Counted from what TRL hands back, so issue-20-style counters from the session factory can replace it here.
-    """
-    ran = metrics is not None
-    counts: Counts = {
-        "rollout/finished_total": 1.0,
-        "rollout/unscorable_total": float(result[5] is None),
-        "rollout/timed_out_total": float(ran and bool(metrics["loop_exhausted"])),
-        "rollout/forked_total": float(ran and metrics["tally"]["fork"] > 0),
-    }
-    if ran:
-        counts["rollout/tool_calls_mean"] = (float(result[3]), 1.0)
-    return counts
-
-
-def merge_counts(finished: list[Counts]) -> Counts:
-    """Sum counters, and rates part by part, over the rollouts finished since the last push."""
-    merged: Counts = {}
-    for counts in finished:
-        for key, value in counts.items():
-            if isinstance(value, tuple):
-                num, den = merged.get(key, (0.0, 0.0))
-                merged[key] = (num + value[0], den + value[1])
-            else:
-                merged[key] = merged.get(key, 0.0) + value
-    return merged
-
-
-class CountingRolloutLoop(_HarnessRolloutLoop):
-    """TRL's harness loop, also counting each finished rollout's outcome into the metrics it sends the trainer.
-
-    Sessions run in pool threads and metrics are pushed from the event loop, hence the lock.
-    """
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self._finished_lock = threading.Lock()
-        self._finished: list[Counts] = []
-
-    def _run_session(self, prompt: Any, group_id: int = 0) -> tuple[Rollout, dict[str, Any] | None]:
-        result, metrics = super()._run_session(prompt, group_id)
-        counts = rollout_counts(result, metrics)
-        with self._finished_lock:
-            self._finished.append(counts)
-        return result, metrics
+class RecipeRolloutLoop(_HarnessRolloutLoop):
+    """TRL's harness loop; each sample it scores also says whether its rollout's capture forked (FORKED_FRAC)."""
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
-        """TRL's scoring; each sample also says whether its rollout's capture forked (FORKED_FRAC, see there)."""
         samples = await super()._score_group(group)
         forked = [float(len(rows) > 1) for rows in group.completions_sequences for _ in rows]  # TRL's sample order
         for sample, flag in zip(samples, forked, strict=True):
             sample.metrics[FORKED_FRAC] = flag
         return samples
 
-    def _push_metrics(self, values: dict[str, float | tuple[float, float]]) -> None:
-        with self._finished_lock:
-            finished, self._finished = self._finished, []
-        super()._push_metrics({**values, **merge_counts(finished)})
-
 
 class RecipeRolloutWorker(HarnessRolloutWorker):
-    """HarnessRolloutWorker whose spawned loop also counts rollout outcomes (CountingRolloutLoop)."""
+    """HarnessRolloutWorker whose spawned loop marks forked samples (RecipeRolloutLoop)."""
 
-    _loop_cls = CountingRolloutLoop
+    _loop_cls = RecipeRolloutLoop
 
 
 class RatioRange(TrainerCallback):
@@ -126,6 +72,18 @@ class RatioRange(TrainerCallback):
 
     def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         self.seen = 0  # TRL clears the sink right after this log
+
+
+class RolloutCounts(TrainerCallback):
+    """Adds, before each step is logged, what the rollout ledger counted since the previous step (LedgerGrowth)."""
+
+    def __init__(self, sink: dict[str, list[Any]], ledger_file: str | Path) -> None:
+        self.sink = sink  # the trainer's metric sink: `total` counters summed, the tool-call rate as (num, den)
+        self.growth = rollout_guard.LedgerGrowth(ledger_file)
+
+    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
+        for metric, value in self.growth.take().items():
+            self.sink[metric].append(value)
 
 
 # TRL 1.15's counter (RolloutQueueDataset): +1 per training sample (row) the trainer pulled and dropped for being more
@@ -168,12 +126,14 @@ class SafeTrackioCallback(TrackioCallback):
             self._trackio.log({**scalars, "train/global_step": state.global_step}, step=state.global_step)
 
 
-def attach(trainer: Any) -> None:
-    """Swap the trainer's Trackio callback for the fail-safe one; add the ratio range and the stale-drop count."""
+def attach(trainer: Any, ledger_file: str | Path) -> None:
+    """Swap the trainer's Trackio callback for the fail-safe one; add the ratio range, the stale-drop count and the
+    rollout counts (attached before train() starts the rollout child, which begins the ledger at `ledger_file`)."""
     if trainer.pop_callback(TrackioCallback) is not None:
         trainer.add_callback(SafeTrackioCallback())
     trainer.add_callback(RatioRange(trainer._metrics["train"]))
     trainer.add_callback(StaleDrops(trainer._metrics["train"]))
+    trainer.add_callback(RolloutCounts(trainer._metrics["train"], ledger_file))
 
 
 def dashboard_url(trainer: Any) -> str | None:

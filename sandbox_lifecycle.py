@@ -13,8 +13,8 @@ Timing and cleanup (trainer/eval side, after a rollout's trace is taken). `trial
 own result file (TrialResult) and returns each setup part in seconds; `finish_trial(trial_dir, failed=...)` removes a
 scored rollout's folder and keeps failed ones within recipe.FAILED_TRIALS_KEEP_MB.
 
-Harbor and OpenEnv are imported inside the functions: rollout_guard (and through it the launcher's smoke_report)
-imports this module for its key names only.
+Harbor and OpenEnv are imported inside the functions: the launcher's smoke_report imports this module for its key
+names only.
 """
 
 from __future__ import annotations

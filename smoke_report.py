@@ -28,7 +28,6 @@ from typing import Any
 
 import adapter_repo
 import recipe
-import rollout_guard
 import sandbox_lifecycle
 
 REPORT_PATH = "smoke_report.json"
@@ -538,8 +537,8 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
         return None
     total: dict[str, Any] = {k: sum(d.get(k) or 0 for d in ledgers)
                              for k in ("rollouts", "scored", "timed_out", "unscorable_total")}
-    total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers)
-                           for c in rollout_guard.FAILURE_CLASSES}
+    classes = dict.fromkeys(c for d in ledgers for c in d.get("unscorable") or {})  # the guard's, in its order
+    total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers) for c in classes}
     timings = [d.get("timing") or {} for d in ledgers]
     total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": {}}
     for timing in timings:
@@ -560,9 +559,9 @@ def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]]
         eval_doc = adapter_repo.read_json(api, repo_id, adapter_repo.full_results_path(adapter_repo.FINAL))
     except Exception:  # noqa: BLE001 - an unreadable repo shows as failed checkpoints and no eval
         files, eval_doc = [], None
-    ledger = rollout_guard.ledger_path(heartbeat)  # the last start's; earlier ones kept as rollouts.<start>.json
+    ledger = recipe.ledger_path(heartbeat)  # the last start's; earlier ones kept as rollouts.<start>.json
     paths = [*sorted(work_dir.glob(f"{ledger.stem}.*{ledger.suffix}")), ledger]
-    ledgers = [rollout_guard.read_ledger(p) for p in paths]
+    ledgers = [recipe.read_json(p) for p in paths]
     return build(stages, recipe.read_json(heartbeat.with_name("train_log.json")),
                  merge_ledgers([d for d in ledgers if d]), checkpoints,
                  eval_doc if expect.get("eval") else None, versions(session_class), expect, files)

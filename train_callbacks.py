@@ -56,7 +56,7 @@ class Heartbeat(TrainerCallback):
         self.beat(state.global_step)
         import rollout_guard
 
-        counts = rollout_guard.read_ledger(rollout_guard.ledger_path(self.path))
+        counts = rollout_guard.read_ledger(recipe.ledger_path(self.path))
         if counts:
             logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
                         counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],

@@ -346,12 +346,12 @@ def rollout_worker(
 
     Its sessions go through rollout_guard (per-rollout failures unscorable and counted, systematic ones stop the
     job), and while the trainer waits on it for samples, finished rollouts count as progress for the watchdog. Its
-    run_metrics base also counts unscorable, timed-out and forked rollouts and tool calls per rollout for the dashboard.
+    run_metrics base marks each trained sample whose rollout forked.
     """
     import rollout_guard
     from resume_position import PositionedRolloutWorker
 
-    ledger = rollout_guard.ledger_path(settings.heartbeat_file)
+    ledger = recipe.ledger_path(settings.heartbeat_file)
 
     class ProgressWorker(PositionedRolloutWorker):
         def check_health(self, stale_after_s: float) -> None:
@@ -454,7 +454,7 @@ def build_trainer(
         rollout_worker=worker,
         weight_transfer=weight_transfer,
     )
-    run_metrics.attach(trainer)
+    run_metrics.attach(trainer, recipe.ledger_path(settings.heartbeat_file))
     return trainer
 
 
@@ -594,7 +594,7 @@ def systematic_stop(settings: Settings, since: float) -> str | None:
     """The rollout guard's one-line verdict if it stopped this run (TRL re-raises it wrapped in RuntimeErrors)."""
     import rollout_guard
 
-    ledger = rollout_guard.read_ledger(rollout_guard.ledger_path(settings.heartbeat_file))
+    ledger = rollout_guard.read_ledger(recipe.ledger_path(settings.heartbeat_file))
     return ledger.get("stopped") if ledger and ledger["started"] >= since else None
 
 

@@ -143,7 +143,7 @@ class FaultySession(FakeSession):
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         if self.fault == "agent_crash":
             raise ConnectionResetError("env server connection reset mid-rollout")
-        if self.fault == "timeout":
+        if self.fault in ("timeout", "timeout_verifier"):
             raise TimeoutError("agent did not finish within its timeout")
         return 1 if self.fault in ("sandbox", "agent_exit") else 0
 
@@ -155,14 +155,15 @@ class FaultySession(FakeSession):
         return super().fetch_training_trace()
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any = None) -> VerifyResult:
-        if self.fault == "verifier":
+        if self.fault in ("verifier", "timeout_verifier"):
             return VerifyResult(env_reward=None, done=True)
         if self.fault == "empty_trace":
             return VerifyResult(env_reward=0.0, done=True)  # the verifier graded an untouched workspace
         return VerifyResult(env_reward=self.result.reward, done=True)
 
 
-# How each fault shows, and the rollout_guard class it must be counted under (None: scored).
+# How each fault shows, and the rollout_guard class it must be counted under (None: scored). Beyond these,
+# "timeout_verifier": an agent that timed out, then a verifier that wrote no reward (timed out and unscorable).
 FAULTS = {"create": "create", "sandbox": "rollout", "agent_crash": "rollout", "capture": "capture",
           "empty_trace": "empty_trace", "verifier": "verifier", "timeout": None}
 
@@ -231,3 +232,34 @@ class LazyTaskMapFactory:
         if index is None:
             raise KeyError("this prompt does not match any task on the server")
         return FakeSession(instruction, self.sampling or {}, 1.0, 0)
+
+
+class ForkingSession(FakeSession):
+    """A rollout whose second turn's prompt does not extend the first turn's prompt and completion (as when a
+    template renders history differently): TRL's lossless capture trains it as two rows, a fork."""
+
+    def fetch_training_trace(self) -> TrainingTrace:
+        first = super().fetch_training_trace().turns[0]
+        prompt = [*PROMPT_IDS[:-1], 44, 2]
+        second = TrainingTurn(**{**first.model_dump(), "node_id": "1", "prompt_token_ids": prompt,
+                                 "loss_mask": [0] * len(prompt) + [1] * len(COMPLETION_IDS)})
+        return TrainingTrace(turns=[first, second])
+
+
+class PlannedSessionFactory(FaultySessionFactory):
+    """Its n-th rollout goes as `plan[n]`: "scored", "forked", or a FAULTS name (several sessions, one factory, so
+    one ledger)."""
+
+    def __init__(self, server_url: str = "http://env.invalid", *, plan: tuple[str, ...], **kwargs: Any) -> None:
+        super().__init__(server_url, fault="", **kwargs)
+        self.plan = plan
+
+    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> FakeSession:
+        with self._lock:
+            self.fault = self.plan[self.created]
+            self.created += 1
+        instruction = task[-1]["content"] if isinstance(task, list) else str(task)
+        if self.fault in ("scored", "forked"):
+            session_class = FakeSession if self.fault == "scored" else ForkingSession
+            return session_class(instruction, self.sampling or {}, 1.0, self.tool_calls)
+        return super().create(task, seed=seed, episode_id=episode_id)

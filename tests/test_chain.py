@@ -206,7 +206,7 @@ def check_trace(chain, session, trace, agent_turns: int) -> None:
     for turn in trace.turns:
         assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
         assert turn.completion_token_ids[-1] == eos
-    assert len(rollout_guard._trl_sequences(trace)) == 1  # each prompt extends the previous prompt + completion
+    assert len(rollout_guard._trl_capture(trace).sequences) == 1  # each prompt extends the previous prompt + completion
     # The served model scored afresh, no cache, in one pass over the last turn: it holds every earlier turn.
     last = trace.turns[-1]
     sequence = list(last.prompt_token_ids) + list(last.completion_token_ids)

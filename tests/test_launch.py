@@ -528,7 +528,7 @@ for argv in (["train"], ["smoke"], ["eval-watch"], ["eval", "--checkpoint", "che
     assert launch.main([*argv, "--bundle-dir", {str(bundle)!r}], env=env, make_api=lambda t: hub,
                        stored_token=lambda: None) == 0, argv
 new = {{m.split(".")[0] for m in sys.modules}} - before - set(sys.stdlib_module_names)
-assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "smoke_report", "rollout_guard", "tomli_w",
+assert new <= {{"launch", "adapter_repo", "recipe", "prepare_tasks", "smoke_report", "tomli_w",
                "packaging", "dashboard", "sandbox_lifecycle"}}, new
 """
     proc = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60, check=False,

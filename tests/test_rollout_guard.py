@@ -16,12 +16,14 @@ import queue
 import sys
 import threading
 import time
+from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 from accelerate.state import PartialState
 from datasets import Dataset
+from trl.experimental.async_grpo.async_grpo_trainer import _reduce_metric
 
 import recipe
 import train_lora
@@ -31,6 +33,7 @@ from tests.fake_sessions import (
     FakeSessionFactory,
     FaultySessionFactory,
     LazyTaskMapFactory,
+    PlannedSessionFactory,
     task_instruction,
 )
 from tests.tiny_lfm2 import save_tiny_model
@@ -153,7 +156,7 @@ def test_train_lora_main_ends_a_systematic_stop_with_that_one_line(tmp_path, mon
     heartbeat = tmp_path / "heartbeat"
 
     def failing_train(settings, **_):
-        guard = rollout_guard.Ledger(rollout_guard.ledger_path(settings.heartbeat_file))
+        guard = rollout_guard.Ledger(recipe.ledger_path(settings.heartbeat_file))
         with pytest.raises(rollout_guard.SystematicRolloutFailure):
             for _ in range(recipe.ROLLOUT_ABORT_STREAK):
                 guard.record("rollout", "exit code 1: sandbox failed to boot")
@@ -176,6 +179,73 @@ def test_guard_trips_on_a_failure_rate_over_the_window_too(tmp_path):
     with pytest.raises(rollout_guard.SystematicRolloutFailure, match=r"6 of the last 10 rollouts were unscorable"):
         guard.record("capture", "409 from the proxy")
     assert json.loads((tmp_path / "rollouts.json").read_text())["stopped"].startswith("rollouts are failing")
+
+
+# --- one rollout counter: the dashboard logs the ledger's growth per step -------------------------------------------
+def logged_step(counter, sink) -> dict:
+    """What TRL logs for one optimizer step: the callbacks' on_step_end, then each key reduced as TRL reduces it."""
+    counter.on_step_end(None, None, None)
+    logged = {key: _reduce_metric(key, values) for key, values in sink.items()}
+    sink.clear()  # what TRL's log() does after the step is logged
+    return logged
+
+
+def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loop, tmp_path):
+    """The guard's ledger is the one rollout counter. It is written in TRL's rollout child; the trainer's callback
+    (run_metrics.RolloutCounts) reads the file each step, so the dashboard shows the ledger's own numbers."""
+    import rollout_guard
+    import run_metrics
+
+    sink: dict = defaultdict(list)
+    counter = run_metrics.RolloutCounts(sink, recipe.ledger_path(tmp_path / "heartbeat"))  # before the child starts
+    plan = ("scored", "forked", "timeout", "verifier", "create")
+    loop, _ = make_loop(functools.partial(PlannedSessionFactory, plan=plan))
+    results = [loop._run_session(PROMPT, 0)[0] for _ in range(3)]
+    assert [len(sequences) for _, _, sequences, *_ in results] == [1, 2, 1]  # the forked rollout is two rows
+    assert logged_step(counter, sink) == {
+        "rollout/finished_total": 3.0, "rollout/unscorable_total": 0.0, "rollout/timed_out_total": 1.0,
+        "rollout/forked_total": 1.0, "rollout/tool_calls_mean": sum(r[3] for r in results) / 3}  # TRL's own count
+    assert sum(r[3] for r in results) == 12  # 3 tool calls a turn; the forked rollout had two turns
+    assert [loop._run_session(PROMPT, 0)[0][5] for _ in range(2)] == [None, None]
+    assert logged_step(counter, sink) == {  # no rollout of this step ran to a reward: no tool-call mean
+        "rollout/finished_total": 2.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 0.0,
+        "rollout/forked_total": 0.0}
+    assert logged_step(counter, sink) == dict.fromkeys(rollout_guard.ROLLOUT_COUNTS, 0.0)  # every step has the keys
+
+
+def test_a_timed_out_rollout_whose_verifier_wrote_no_reward_shows_as_timed_out_and_unscorable(make_loop, tmp_path):
+    """The agent hit its time limit, then the verifier wrote no reward: the dashboard counts it under both, as the
+    ledger (and so the smoke report) does. The old loop-side count saw only timed-out rollouts that were scored."""
+    import run_metrics
+
+    sink: dict = defaultdict(list)
+    counter = run_metrics.RolloutCounts(sink, recipe.ledger_path(tmp_path / "heartbeat"))
+    loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("timeout_verifier",)))
+    assert loop._run_session(PROMPT, 0)[0][5] is None
+    assert (ledger(settings)["timed_out"], ledger(settings)["unscorable"]["verifier"]) == (1, 1)
+    assert logged_step(counter, sink) == {"rollout/finished_total": 1.0, "rollout/unscorable_total": 1.0,
+                                          "rollout/timed_out_total": 1.0, "rollout/forked_total": 0.0}
+
+
+def test_the_dashboard_counts_only_this_starts_ledger_and_a_restarted_ledger_from_zero(tmp_path):
+    """A ledger an earlier start left in place is not this run's; a rollout child restarted in the same start begins
+    a new ledger (its own `started`), counted from zero, not subtracted from the last one."""
+    import rollout_guard
+    import run_metrics
+
+    path = tmp_path / "rollouts.json"
+    rollout_guard.Ledger(path).record(None)
+    time.sleep(0.01)
+    sink: dict = defaultdict(list)
+    counter = run_metrics.RolloutCounts(sink, path)
+    assert logged_step(counter, sink) == {}
+    current = rollout_guard.Ledger(path)
+    current.record(None)
+    current.record("capture", "ValueError: fatal validation finding")
+    assert logged_step(counter, sink)["rollout/finished_total"] == 2.0
+    time.sleep(0.01)
+    rollout_guard.Ledger(path).record(None)
+    assert logged_step(counter, sink)["rollout/finished_total"] == 1.0
 
 
 # --- issue 14, defect 7: the first wave of create() calls races on the task map ---------------------------------------

@@ -1,40 +1,13 @@
-"""run_metrics.py's counting rules, on the shapes TRL 1.15's harness loop hands back (the rehearsal runs them live)."""
+"""run_metrics.py's step metrics and Trackio callback, on TRL 1.15's metric sink and reduction (the rehearsal runs
+them live); the rollout counts are the ledger's, tested in test_rollout_guard.py."""
 
 from __future__ import annotations
 
 from collections import defaultdict
 
 from trl.experimental.async_grpo.async_grpo_trainer import _reduce_metric
-from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
 
 import run_metrics
-
-
-def ran(reward: float | None, tool_calls: int, timed_out: bool = False, forks: float = 0.0) -> tuple:
-    """A rollout that ran, as `_run_session` returns it: (result tuple, metrics)."""
-    tally = {"clean": 1.0, "realign": 0.0, "fork": forks, "transitions": 1.0 + forks, "drift_tokens": 0.0,
-             "drift_max": 0.0}
-    metrics = {"turns": 2, "sequences": 1 + int(forks), "completion_ids": [1, 2], "tally": tally,
-               "loop_exhausted": timed_out, "duration_s": 1.0}
-    return ([], [1, 2], [], tool_calls, 0, reward), metrics
-
-
-def test_each_outcome_is_counted_once_and_reduced_as_trl_reduces_it():
-    finished = [
-        run_metrics.rollout_counts(_HarnessRolloutLoop._EMPTY_ROLLOUT, None),  # session failed: unscorable
-        run_metrics.rollout_counts(*ran(None, 4)),  # verifier did not grade: unscorable, but it ran
-        run_metrics.rollout_counts(*ran(1.05, 3, timed_out=True)),
-        run_metrics.rollout_counts(*ran(0.0, 5, forks=2.0)),
-    ]
-    merged = run_metrics.merge_counts(finished)
-    assert merged == {"rollout/finished_total": 4.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 1.0,
-                      "rollout/forked_total": 1.0, "rollout/tool_calls_mean": (12.0, 3.0)}
-    # Two pushes in one logging window: counters add up, the mean is over the rollouts that ran.
-    window = {key: [value, run_metrics.merge_counts([run_metrics.rollout_counts(*ran(1.0, 0))])[key]]
-              for key, value in merged.items()}
-    assert {key: _reduce_metric(key, values) for key, values in window.items()} == {
-        "rollout/finished_total": 5.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 1.0,
-        "rollout/forked_total": 1.0, "rollout/tool_calls_mean": 3.0}
 
 
 def test_ratio_range_covers_only_the_steps_own_samples():

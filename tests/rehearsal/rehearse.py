@@ -252,7 +252,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, capture_url, args))
         faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
-        ledger = rollout_guard.ledger_path(settings.heartbeat_file)
+        ledger = recipe.ledger_path(settings.heartbeat_file)
         hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy, ledger, len(faults))
                if args.crash_after_checkpoint else LocalHub(workdir / "hub"))
         resumable = (adapter_repo.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))

@@ -1,0 +1,114 @@
+"""The floors of the top-level modules: every import runs down (or level), none runs back up, none closes a circle.
+
+Floors, from the ground up (LAYOUT is the one table; a README file table can be checked against it):
+- 0, the recipe: `recipe.py` holds every knob and every rule more than one side needs (read_json/write_json, the
+  checkpoint pattern, graded_reward). It imports no other module of the bundle, so any script can read it.
+- 1, shared libraries: used by more than one entry point (or by a shell script and an entry point): the Hub layout,
+  the session client, the sandbox lifecycle, the chat template, the cards, the dashboard. They import floor 0 and
+  each other, never an entry point or one entry point's support.
+- 2, support of one entry point: pieces split out of one script to keep it readable (or its import cheap); LAYOUT
+  names that entry point, and only it and its other support modules may import them. Anything a second entry point
+  needs moves down to floor 0 or 1 instead, so that the launcher (which must import without TRL or OpenEnv) never
+  drags in the trainer's side.
+- 3, entry points: what a user, a shell script or the job runs (`python3 X.py ...`). One may import another
+  (eval_watch reuses eval_adapter's eval run; the launcher runs the smoke report and the task lists' checks), as
+  long as no circle forms.
+
+Imports are read with `ast` from every top-level *.py: module-level imports and the ones inside functions (a lazy
+import still runs the same code, only later), `import x` and `from x import y` alike.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+RECIPE, SHARED, SUPPORT, ENTRY = range(4)
+# module -> (floor, the entry point a floor-2 module supports, else None)
+LAYOUT: dict[str, tuple[int, str | None]] = {
+    "recipe": (RECIPE, None),
+    "adapter_repo": (SHARED, None),
+    "chat_template": (SHARED, None),
+    "dashboard": (SHARED, None),
+    "harbor_sessions": (SHARED, None),
+    "model_cards": (SHARED, None),
+    "sandbox_lifecycle": (SHARED, None),
+    "resume_position": (SUPPORT, "train_lora"),
+    "rollout_guard": (SUPPORT, "train_lora"),
+    "run_metrics": (SUPPORT, "train_lora"),
+    "train_callbacks": (SUPPORT, "train_lora"),
+    "weight_sync": (SUPPORT, "train_lora"),
+    "capture_gateway": (ENTRY, None),
+    "eval_adapter": (ENTRY, None),
+    "eval_watch": (ENTRY, None),
+    "export_adapter": (ENTRY, None),
+    "image_check": (ENTRY, None),
+    "launch": (ENTRY, None),
+    "prepare_tasks": (ENTRY, None),
+    "seam_patch": (ENTRY, None),
+    "smoke_report": (ENTRY, None),
+    "train_lora": (ENTRY, None),
+}
+
+
+def top_level_modules() -> set[str]:
+    return {path.stem for path in ROOT.glob("*.py")}
+
+
+def imports() -> dict[str, set[str]]:
+    """Each top-level module's imports of other top-level modules, wherever in the file they are written."""
+    modules = top_level_modules()
+    found: dict[str, set[str]] = {}
+    for name in sorted(modules):
+        tree = ast.parse((ROOT / f"{name}.py").read_text(), filename=f"{name}.py")
+        targets: set[str] = set()
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                targets |= {alias.name.split(".")[0] for alias in node.names}
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets.add(node.module.split(".")[0])
+        found[name] = (targets & modules) - {name}
+    return found
+
+
+def test_every_top_level_module_has_one_row_in_the_floor_table():
+    assert sorted(top_level_modules() - LAYOUT.keys()) == [], "give each new module a floor in LAYOUT"
+    assert sorted(LAYOUT.keys() - top_level_modules()) == [], "LAYOUT names a module that is gone"
+    for name, (floor, owner) in LAYOUT.items():
+        assert (owner is not None) == (floor == SUPPORT), name
+        assert owner is None or LAYOUT[owner][0] == ENTRY, f"{name} supports {owner}, which is not an entry point"
+
+
+def test_no_import_runs_up_a_floor_or_into_another_entry_points_support():
+    wrong = []
+    for importer, targets in imports().items():
+        floor, owner = LAYOUT[importer]
+        for target in sorted(targets):
+            target_floor, target_owner = LAYOUT[target]
+            if target_floor > floor:
+                wrong.append(f"{importer} (floor {floor}) imports {target} (floor {target_floor})")
+            elif target_owner is not None and target_owner not in (importer, owner):
+                wrong.append(f"{importer} imports {target}, the support of {target_owner} only")
+    assert wrong == [], "\n".join(wrong)
+
+
+def test_the_imports_close_no_circle():
+    graph = imports()
+    circles: list[list[str]] = []
+    done: set[str] = set()
+
+    def visit(name: str, path: list[str]) -> None:
+        if name in path:
+            circles.append([*path[path.index(name):], name])
+            return
+        if name in done:
+            return
+        for target in sorted(graph[name]):
+            visit(target, [*path, name])
+        done.add(name)
+
+    for name in sorted(graph):
+        visit(name, [])
+    assert circles == [], "\n".join(" -> ".join(circle) for circle in circles)
