@@ -41,6 +41,9 @@ def checked_args(args: argparse.Namespace) -> None:
     if not Path(args.source).is_dir():
         recipe.require_repo_id(args.source, "--source")
     recipe.require_repo_id(args.target, "--target")
+    if args.merged_target and not args.merged:
+        raise recipe.ConfigError(f"--merged-target={args.merged_target!r} (or MERGED_REPO) is set without --merged: "
+                                 "add --merged to publish the merged model there too, or drop it")
     if args.merged:  # its default, <target>-merged, may be too long where the target is not: pass --merged-target
         recipe.require_repo_id(merged_repo(args), "--merged-target")
     targets = [("--target", args.target)] + ([("--merged-target", merged_repo(args))] if args.merged else [])

@@ -416,6 +416,15 @@ def test_a_long_target_needs_a_merged_target_only_when_merging(made, tmp_path, c
     assert err.startswith(f"export_adapter.py: --merged-target='{target}-merged' is not a valid repo id")
 
 
+def test_a_merged_target_without_merged_is_refused_in_one_line(made, tmp_path, capsys):
+    """--merged-target alone would be ignored: the user asked for a merged model and would get none."""
+    rc, _, err = run(["--source", str(made["source"]), "--target", "alice/adapter", "--local-dir", str(tmp_path / "o"),
+                      "--merged-target", "alice/merged"], capsys)
+    assert rc == 2 and err.count("\n") == 1, err
+    assert "--merged-target='alice/merged' (or MERGED_REPO) is set without --merged" in err
+    assert not (tmp_path / "o").exists()
+
+
 def _bad_rank(source: Path) -> None:
     config = json.loads((source / "adapter_config.json").read_text())
     config["r"] = 8
