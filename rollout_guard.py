@@ -10,7 +10,7 @@ rollout fails here only when it has no grade (harbor_sessions.graded_reward, the
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
-ledger (LEDGER_NAME, next to the trainer's heartbeat), and raise SystematicRolloutFailure, which TRL cannot
+ledger (recipe.LEDGER_NAME, in the job's work folder), and raise SystematicRolloutFailure, which TRL cannot
 swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT_MAX_UNSCORABLE of the last
 ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
 """
@@ -31,7 +31,6 @@ from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
-LEDGER_NAME = "rollouts.json"
 
 
 class RolloutFailure(RuntimeError):
@@ -41,11 +40,6 @@ class RolloutFailure(RuntimeError):
 class SystematicRolloutFailure(BaseException):
     """Rollouts fail systematically: stop the job. A BaseException because TRL's `except Exception` around each
     session step would otherwise score it as one more unscorable rollout."""
-
-
-def ledger_path(heartbeat_file: str | Path) -> Path:
-    """Where the rollout counts live: next to the heartbeat, so the smoke report and live metrics find both."""
-    return Path(heartbeat_file).with_name(LEDGER_NAME)
 
 
 def read_ledger(path: str | Path) -> dict[str, Any] | None:
