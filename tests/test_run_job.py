@@ -226,7 +226,7 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     evaluation = next(c for c in commands if c[-1].endswith("run_eval.sh"))
     assert "EVAL_TASKS=4" in evaluation and "CHECKPOINT=final" in evaluation
     assert evaluation[evaluation.index("timeout") + 1].endswith("s")  # what the smoke deadline leaves
-    assert lines[-1].endswith(f"smoke_report.py report --work-dir {work} --stages {work}/stages")
+    assert lines[-1].endswith(f"smoke_report.py report --work-dir {work} --stages {work}/{recipe.STAGES_NAME}")
     assert stub_log(job) == []
 
 
