@@ -1,6 +1,6 @@
 # shellcheck shell=bash
 # Helpers sourced by run_job.sh, run_eval.sh, run_eval_watch.sh, serve_policy.sh and serve_env.sh:
-# logging, recipe knobs, background processes with log files, readiness waits and cleanup.
+# logging, recipe knobs, the job scripts' one preflight, background processes with log files, readiness waits, cleanup.
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 PYTHON="${PYTHON:-python3}"
@@ -143,6 +143,29 @@ try:
     recipe.require_token()
 except recipe.ConfigError as exc:
     sys.exit(str(exc))'
+}
+
+# The knobs every job script (run_job.sh, run_eval.sh and so run_eval_watch.sh) checks before its step 0. run_job.sh's
+# final eval is run_eval.sh in the training job's environment, so what the eval would refuse stops the training job
+# before its hours of training, not after them; DEBUG is read by every Python step.
+JOB_SCRIPT_KNOBS=(DEBUG READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT SANDBOX REPORT_TO EVAL_TASKS EVAL_CONCURRENCY)
+
+# job_knobs NAME...: env_knobs on JOB_SCRIPT_KNOBS and the script's own knobs NAME... (one recipe.py call, the rules
+# that join knobs included); SANDBOX exported for every step.
+job_knobs() {
+  env_knobs "${JOB_SCRIPT_KNOBS[@]}" "$@"
+  export SANDBOX
+}
+
+# job_preflight GPU...: every job script's step 0 checks, each failure one line before anything is installed or
+# started: ADAPTER_REPO and HF_TOKEN, the sandbox backend, the job's public host, the GPUs given, the three ports free.
+job_preflight() {
+  local port
+  require_repo_and_token
+  require_sandbox_credentials
+  resolve_public_host
+  require_gpus "$@"
+  for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
 }
 
 # resolve_public_host: sets PUBLIC_HOSTNAME (the job's own host for PUBLIC_PORT, where sandboxes reach the

@@ -341,14 +341,50 @@ SMOKE_MAX_FORK = 0.05
 # adds to it: the offsets past prompt_index of the groups already consumed, which a resumed start skips.
 ROLLOUT_STATE = "rollout_state.json"
 CONSUMED_AHEAD = "consumed_ahead"
-# The rollout counts (rollout_guard.Ledger, written in TRL's rollout child), next to the heartbeat: the trainer's
-# dashboard callback, its heartbeat log line and the smoke report all read them there.
+
+# --- The job's work folder: what the trainer and run_job.sh leave there for the watchdog and the smoke report ------
+# The folder has no setting of its own: the trainer is given HEARTBEAT_FILE (run_job.sh: $WORK_DIR/heartbeat; alone:
+# $OUTPUT_DIR/heartbeat) and writes every other file beside it (work_file), so a HEARTBEAT_FILE set today still puts
+# them all where it did, and the one path the watchdog reads cannot name another folder than the records'.
+# `<step> <unix time>` after every optimizer step, re-dated to each finished rollout: the watchdog reads its mtime.
+HEARTBEAT_NAME = "heartbeat"
+# Every trainer start and every logged step's metrics (train_callbacks.RunLog): one file across a resume.
+TRAIN_LOG_NAME = "train_log.json"
+# The rollout counts of the trainer start running now (rollout_guard.Ledger): each start's rollout child begins anew.
 LEDGER_NAME = "rollouts.json"
+# A later trainer start in the same folder first keeps the last start's ledger aside under this glob, its * the start's
+# number, 1, 2, ... in start order (keep_ledger_aside), so the smoke report sums every start's counts (kept_ledgers).
+KEPT_LEDGER_GLOB = "rollouts.start-*.json"
+_KEPT_LEDGER = re.compile(re.escape(KEPT_LEDGER_GLOB).replace(r"\*", "([1-9][0-9]*)"))
+# The smoke job's stage records, one line per stage start and end (common.sh's step); the report's stage times.
+STAGES_NAME = "stages"
 
 
-def ledger_path(heartbeat_file: str | Path) -> Path:
-    """Where the rollout counts live: next to the heartbeat, so the smoke report and live metrics find both."""
-    return Path(heartbeat_file).with_name(LEDGER_NAME)
+def work_file(heartbeat_file: str | Path, name: str) -> Path:
+    """The work folder's file `name`: in the heartbeat's folder."""
+    return Path(heartbeat_file).with_name(name)
+
+
+def kept_ledgers(folder: str | Path) -> list[Path]:
+    """The earlier trainer starts' kept-aside ledgers in `folder`, in start order."""
+    numbered = [(int(match.group(1)), path) for path in Path(folder).glob(KEPT_LEDGER_GLOB)
+                if (match := _KEPT_LEDGER.fullmatch(path.name))]
+    return [path for _, path in sorted(numbered)]
+
+
+def next_kept_ledger(folder: str | Path) -> Path:
+    """The name the running start's ledger is kept aside under when the next trainer start begins."""
+    kept = kept_ledgers(folder)
+    last = int(_KEPT_LEDGER.fullmatch(kept[-1].name).group(1)) if kept else 0
+    return Path(folder) / KEPT_LEDGER_GLOB.replace("*", str(last + 1))
+
+
+def keep_ledger_aside(folder: str | Path) -> Path | None:
+    """Before a later trainer start: move the last start's ledger to its kept-aside name; None if it has none."""
+    ledger = Path(folder) / LEDGER_NAME
+    if not ledger.is_file():
+        return None
+    return ledger.replace(next_kept_ledger(folder))
 
 
 def write_atomic(path: str | Path, text: str) -> None:

@@ -10,7 +10,7 @@ rollout fails here only when it has no grade (recipe.graded_reward, the eval's r
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
-ledger (recipe.ledger_path, next to the trainer's heartbeat), and raise SystematicRolloutFailure, which TRL cannot
+ledger (recipe.LEDGER_NAME, in the job's work folder), and raise SystematicRolloutFailure, which TRL cannot
 swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT_MAX_UNSCORABLE of the last
 ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
 

@@ -22,6 +22,7 @@
 #   GPU=<EVAL_GPU>           GPU for vLLM.   READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   WORK_DIR=/tmp/lfm-eval   test tasks and eval work files. Logs: LOG_DIR=/tmp/lfm-logs.
+#   DEBUG=0                  1: a failing Python step prints its traceback above its one-line reason.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -35,21 +36,15 @@ read_knobs() {
   mapfile -t k < <(recipe LOOPBACK EVAL_GPU EVAL_FLAVOR)
   [ "${#k[@]}" -eq 3 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
   LOOPBACK="${k[0]}"; GPU="${GPU:-${k[1]}}"; JOB_FLAVOR="${k[2]}"
-  env_knobs EVAL_MODE CHECKPOINT EVAL_TASKS N_TASKS MAX_IDLE_HOURS EVAL_CONCURRENCY READY_TIMEOUT POLICY_PORT ENV_PORT \
-    PUBLIC_PORT SANDBOX REPORT_TO
+  job_knobs EVAL_MODE CHECKPOINT N_TASKS MAX_IDLE_HOURS
   WORK_DIR="${WORK_DIR:-/tmp/lfm-eval}"; TASKS_DIR="$WORK_DIR/tasks"
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
-  export SANDBOX
 }
 
 # Bad input stops here, with one line, before anything is installed or started.
 preflight() {
-  require_repo_and_token
-  require_sandbox_credentials
-  resolve_public_host
-  require_gpus "$GPU"
-  local port what
-  for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
+  local what
+  job_preflight "$GPU"
   what="checkpoint=$CHECKPOINT"
   [ "$EVAL_MODE" = full ] || what="n_tasks=$N_TASKS max_idle_hours=$MAX_IDLE_HOURS"
   log "preflight: ADAPTER_REPO=$ADAPTER_REPO mode=$EVAL_MODE $what SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"

@@ -13,12 +13,16 @@
 #   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
 #   SANDBOX=<SANDBOX>        the only backend the job installs (daytona and e2b are refused).  REPORT_TO=<REPORT_TO>
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
-#   WORK_DIR=/tmp/lfm-job    tasks, trainer output, heartbeat. Logs: LOG_DIR=/tmp/lfm-logs.
+#   WORK_DIR=/tmp/lfm-job    tasks, trainer output and recipe.py's work-folder files: heartbeat, train_log.json,
+#                            rollouts.json (a later trainer start keeps the earlier one's as rollouts.start-N.json).
+#                            Logs: LOG_DIR=/tmp/lfm-logs.
 #   STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)   no optimizer step and no finished rollout for this long
 #                            fails the job (recipe.py states why a healthy run always beats within it).
 #   WATCH_INTERVAL=<WATCH_INTERVAL_S>  seconds between watchdog checks.  READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
 #   FINAL_EVAL=1             0 skips the final eval (run_eval.sh) after training.
+#   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>   the final eval's rollouts in flight (checked here, before training).
+#   DEBUG=0                  1: a failing Python step prints its traceback above its one line (the trainer always does).
 #   MODE=train               smoke = the smoke run (launch.py smoke): into an -smoke repo it empties first,
 #                            MAX_STEPS=<SMOKE_STEPS> or fewer, SAVE_STEPS and EVAL_TASKS the plan's (smoke_report.py
 #                            plan --knobs --steps N); the trainer stops after the first checkpoint and a second start
@@ -54,22 +58,15 @@ read_knobs() {
     local plan_save="${SMOKE_PLAN#*SAVE_STEPS=}" plan_eval="${SMOKE_PLAN##*EVAL_TASKS=}"
     export SAVE_STEPS="${SAVE_STEPS:-${plan_save%% *}}" EVAL_TASKS="${EVAL_TASKS:-$plan_eval}"
   fi
-  env_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL \
-    READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT EVAL_TASKS SANDBOX REPORT_TO
+  job_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL
   WORK_DIR="${WORK_DIR:-/tmp/lfm-job}"; TASKS_DIR="$WORK_DIR/tasks"; OUTPUT_DIR="$WORK_DIR/output"
-  HEARTBEAT_FILE="$WORK_DIR/heartbeat"; STAGES_FILE=""
+  HEARTBEAT_FILE="$WORK_DIR/$(recipe HEARTBEAT_NAME)"; STAGES_FILE=""  # the trainer's records land beside it
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
-  export SANDBOX
 }
 
 # Bad input stops the job here, with one line, before anything is installed or started.
 preflight() {
-  require_repo_and_token
-  require_sandbox_credentials
-  resolve_public_host
-  require_gpus "$TRAINER_GPU" "$VLLM_GPU"
-  local port
-  for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
+  job_preflight "$TRAINER_GPU" "$VLLM_GPU"
   [ "$MODE" = train ] || smoke_preflight
   STEP_NOTE="MODE=$MODE ADAPTER_REPO=$ADAPTER_REPO MAX_STEPS=$MAX_STEPS SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
 }
@@ -83,7 +80,7 @@ smoke_preflight() {
   "$PYTHON" "$HERE/smoke_report.py" plan --steps "$MAX_STEPS"
   DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline --steps "$MAX_STEPS") ))
   STOP_AFTER_STEP="$SAVE_STEPS"
-  STAGES_FILE="$WORK_DIR/stages"
+  STAGES_FILE="$WORK_DIR/$(recipe STAGES_NAME)"
   dry_run || { mkdir -p "$WORK_DIR"; : >"$STAGES_FILE"; }
   record_stage start preflight  # this step began before the file existed
   REPORT_HOOK=smoke_job_report
@@ -161,9 +158,12 @@ train() {
 }
 
 # 9 (smoke). A second trainer start, as a relaunched job: resumes from checkpoint-STOP_AFTER_STEP on the Hub (into
-#    an empty output folder, so nothing local helps). The first start's rollout counts are kept for the report.
+#    an empty output folder, so nothing local helps). The first start's rollout counts are kept aside for the report
+#    (recipe.keep_ledger_aside: the work folder's naming rule, the one smoke_report.py reads them by).
 resume_training() {
-  dry_run || mv -f "$WORK_DIR/rollouts.json" "$WORK_DIR/rollouts.first-start.json" 2>/dev/null || true
+  if dry_run; then echo "  keep the first start's rollout counts aside: $WORK_DIR/$(recipe KEPT_LEDGER_GLOB)"; else
+    py_check 'import recipe; recipe.keep_ledger_aside(sys.argv[2])' "$WORK_DIR"
+  fi
   run_trainer trainer-resume "$OUTPUT_DIR-resume"
   STEP_NOTE="second trainer start finished $MAX_STEPS steps (resumed from the Hub: the report checks it)"
 }
@@ -235,7 +235,8 @@ final_eval() {
   if [ "$FINAL_EVAL" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=0)"; return 0; fi
   local limit pid rc=0
   limit="$(recipe EVAL_TIMEOUT)"
-  local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME" LOG_DIR="$LOG_DIR/final-eval")
+  local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" EVAL_MODE=full CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME"
+    LOG_DIR="$LOG_DIR/final-eval")
   if [ "$MODE" = smoke ]; then  # the subset, within what the smoke deadline leaves
     vars+=(EVAL_TASKS="$EVAL_TASKS")
     limit="$(( DEADLINE - $(date +%s) ))s"

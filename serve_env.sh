@@ -16,7 +16,7 @@
 #                            handed to the sandboxes), e.g. <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   POLICY_URL=http://<LOOPBACK>:<VLLM_PORT>   the vLLM the capture proxy forwards to (must be up).
 #   MODEL=<SERVED_MODEL_NAME>                   the name vLLM serves the policy under.
-#   SANDBOX=<SANDBOX>        hf-sandbox (needs HF_TOKEN), daytona (DAYTONA_API_KEY) or e2b (E2B_API_KEY);
+#   SANDBOX=<SANDBOX>        the only backend the job installs (needs HF_TOKEN; daytona and e2b are refused);
 #                            checked here because this process runs the sandboxes.
 #   ENV_HOST=<LOOPBACK>  ENV_PORT=<ENV_PORT>    env server; non-loopback needs ALLOW_NON_LOOPBACK=1.
 #   PUBLIC_HOST=0.0.0.0  PUBLIC_PORT=<PUBLIC_PORT>   capture gateway.

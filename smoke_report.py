@@ -550,8 +550,7 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
 
 def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]], expect: dict[str, Any], *,
             session_class: Any = None) -> dict[str, Any]:
-    """Everything the job left in `work_dir` (heartbeat, rollouts.json, train_log.json) and in the repo."""
-    heartbeat = work_dir / "heartbeat"
+    """Everything the job left in `work_dir` (recipe.py's work-folder files: rollout counts, train log) and the repo."""
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = verify_checkpoints(api, repo_id, expect["checkpoints"], Path(tmp))
     try:
@@ -559,10 +558,9 @@ def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]]
         eval_doc = adapter_repo.read_json(api, repo_id, adapter_repo.full_results_path(adapter_repo.FINAL))
     except Exception:  # noqa: BLE001 - an unreadable repo shows as failed checkpoints and no eval
         files, eval_doc = [], None
-    ledger = recipe.ledger_path(heartbeat)  # the last start's; earlier ones kept as rollouts.<start>.json
-    paths = [*sorted(work_dir.glob(f"{ledger.stem}.*{ledger.suffix}")), ledger]
+    paths = [*recipe.kept_ledgers(work_dir), work_dir / recipe.LEDGER_NAME]  # the earlier starts', then the last's
     ledgers = [recipe.read_json(p) for p in paths]
-    return build(stages, recipe.read_json(heartbeat.with_name("train_log.json")),
+    return build(stages, recipe.read_json(work_dir / recipe.TRAIN_LOG_NAME),
                  merge_ledgers([d for d in ledgers if d]), checkpoints,
                  eval_doc if expect.get("eval") else None, versions(session_class), expect, files)
 

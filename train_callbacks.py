@@ -39,7 +39,7 @@ class Heartbeat(TrainerCallback):
     """Rewrites `<step> <time>` after every optimizer step; run_job.sh's watchdog fails the job when it goes stale.
 
     While the trainer waits for rollouts, rollout_guard.refresh_heartbeat moves the file's mtime to the last
-    finished rollout too. Each step also logs the rollout counts from the ledger next to the heartbeat.
+    finished rollout too. Each step also logs the rollout counts from the ledger beside it (recipe.LEDGER_NAME).
     """
 
     def __init__(self, path: str) -> None:
@@ -56,7 +56,7 @@ class Heartbeat(TrainerCallback):
         self.beat(state.global_step)
         import rollout_guard
 
-        counts = rollout_guard.read_ledger(recipe.ledger_path(self.path))
+        counts = rollout_guard.read_ledger(recipe.work_file(self.path, recipe.LEDGER_NAME))
         if counts:
             logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
                         counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],

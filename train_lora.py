@@ -67,7 +67,7 @@ class Settings:
     train_split: str = ""
     task_data: str = str(prepare_tasks.DATA_DIR)  # folder of train.json, whose order is the trained order
     output_dir: str = "outputs"
-    heartbeat_file: str = "outputs/heartbeat"
+    heartbeat_file: str = f"outputs/{recipe.HEARTBEAT_NAME}"
     resume: bool = True
     stop_after_step: int = 0
     weight_sync: str = "merge_free"
@@ -134,7 +134,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         train_split=env.get("TRAIN_SPLIT", "").strip(),
         task_data=env.get("TASK_DATA", "").strip() or Settings.task_data,
         output_dir=output_dir,
-        heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / "heartbeat"),
+        heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / recipe.HEARTBEAT_NAME),
         resume=recipe.knob("RESUME", env),
         stop_after_step=_stop_after(env, max_steps),
         weight_sync=recipe.knob("WEIGHT_SYNC", env),
@@ -351,7 +351,7 @@ def rollout_worker(
     import rollout_guard
     from resume_position import PositionedRolloutWorker
 
-    ledger = recipe.ledger_path(settings.heartbeat_file)
+    ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
 
     class ProgressWorker(PositionedRolloutWorker):
         def check_health(self, stale_after_s: float) -> None:
@@ -395,15 +395,6 @@ def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
     return local
 
 
-TRAIN_LOG_NAME = "train_log.json"
-
-
-def train_log_path(heartbeat_file: str | Path) -> Path:
-    """Where RunLog writes: next to the heartbeat and rollouts.json, so the smoke report finds all three."""
-    return Path(heartbeat_file).with_name(TRAIN_LOG_NAME)
-
-
-
 # --- 6. Trainer, train and push ---------------------------------------------------------------------------------------
 def hub_api(settings: Settings) -> Any:
     """The Hub client the pushes go through."""
@@ -440,7 +431,7 @@ def build_trainer(
     callbacks = [
         train_callbacks.Heartbeat(settings.heartbeat_file),
         train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
-        train_callbacks.RunLog(train_log_path(settings.heartbeat_file), resumed_from),
+        train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
     ]
     if settings.stop_after_step:
         callbacks.append(train_callbacks.StopAfterStep(settings.stop_after_step))
@@ -594,7 +585,7 @@ def systematic_stop(settings: Settings, since: float) -> str | None:
     """The rollout guard's one-line verdict if it stopped this run (TRL re-raises it wrapped in RuntimeErrors)."""
     import rollout_guard
 
-    ledger = rollout_guard.read_ledger(recipe.ledger_path(settings.heartbeat_file))
+    ledger = rollout_guard.read_ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
     return ledger.get("stopped") if ledger and ledger["started"] >= since else None
 
 

@@ -362,7 +362,7 @@ def train_run(inflight: int, staleness: int, distribution: str, args: argparse.N
         trainer.rollout_queue = queue  # what get_train_dataloader hands TRL's RolloutQueueDataset
         trainer.train()
     steps.waits = queue.waits
-    logs = json.loads(train_lora.train_log_path(settings.heartbeat_file).read_text())["logs"]
+    logs = json.loads(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME).read_text())["logs"]
     return [entry for entry in logs if "loss" in entry], steps
 
 

@@ -626,7 +626,9 @@ SHARED = [("train", "run_job.sh", "MAX_STEPS", "1001"), ("train", "run_job.sh", 
           ("train", "run_job.sh", "ADAPTER_REPO", "alice/x.git"), ("train", "run_job.sh", "REPORT_TO", "tensorboard"),
           ("eval", "run_eval.sh", "REPORT_TO", "tensorboard"), ("train", "run_job.sh", "SANDBOX", "daytona"),
           ("eval", "run_eval.sh", "SANDBOX", "e2b"), ("train", "run_job.sh", "SAVE_STEPS", "2000"),
-          ("train", "run_job.sh", "STALL_MINUTES", "0.1"), ("eval", "run_eval.sh", "EVAL_CONCURRENCY", "65")]
+          ("train", "run_job.sh", "STALL_MINUTES", "0.1"), ("eval", "run_eval.sh", "EVAL_CONCURRENCY", "65"),
+          # Issue 28: every Python step refused a bad DEBUG, hours in; the job's one preflight (job_knobs) does at once.
+          ("train", "run_job.sh", "DEBUG", "maybe"), ("eval", "run_eval.sh", "DEBUG", "maybe")]
 
 
 @pytest.mark.parametrize(("mode", "script", "var", "value"), SHARED, ids=[f"{s}-{v}" for _, s, v, _ in SHARED])

@@ -310,7 +310,7 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     assert [sync["step"] for sync in report["syncs"]] == [0, 1, 2]  # cold sync, then one after every step
     assert all(sync["mismatched"] == [] and sync["sent_dtypes"] == [recipe.SERVE_DTYPE] for sync in report["syncs"])
     assert all(0.9 < row["ratio"] < 1.1 and row["loss"] is not None for row in report["steps"])
-    ledger = json.loads((workdir / "rollouts.json").read_text())  # the killed start's, as run_job.sh keeps it
+    ledger = json.loads((workdir / recipe.LEDGER_NAME).read_text())  # the killed start's, as run_job.sh keeps it
     assert {k: n for k, n in ledger["unscorable"].items() if n} == FAULT_COUNTS, ledger
     assert ledger["timed_out"] == 1 and ledger["stopped"] is None
     assert ledger["scored"] >= 2 * recipe.NUM_GENERATIONS  # every trained sample came from a scored rollout
@@ -384,8 +384,8 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     assert [(c["step"], c["verified"]) for c in report["checkpoints"]] == [(2, True), (3, True)]
     assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
     counts = report["rollouts"]  # both starts: the killed one's counts were kept aside
-    assert len(list(workdir.glob("rollouts.*.json"))) == 1
-    second = json.loads((workdir / "rollouts.json").read_text())
+    assert len(recipe.kept_ledgers(workdir)) == 1
+    second = json.loads((workdir / recipe.LEDGER_NAME).read_text())
     # The second start injects nothing: the only rollouts it may count unscorable are those still running when its
     # training ended, which TRL closes (their capture is gone: empty_trace). Seen once in a fresh-clone CI run.
     assert {k for k, n in second["unscorable"].items() if n} <= {"empty_trace"}, second

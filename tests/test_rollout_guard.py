@@ -84,7 +84,7 @@ def make_loop(tokenizer_and_settings, tmp_path):
 
 def ledger(settings) -> dict:
     """The counts the guard writes next to the heartbeat (docs/training.md: "Rollout failures")."""
-    return json.loads(Path(settings.heartbeat_file).with_name("rollouts.json").read_text())
+    return json.loads(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME).read_text())
 
 
 # --- one test per failure class --------------------------------------------------------------------------------------
@@ -156,7 +156,7 @@ def test_train_lora_main_ends_a_systematic_stop_with_that_one_line(tmp_path, mon
     heartbeat = tmp_path / "heartbeat"
 
     def failing_train(settings, **_):
-        guard = rollout_guard.Ledger(recipe.ledger_path(settings.heartbeat_file))
+        guard = rollout_guard.Ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
         with pytest.raises(rollout_guard.SystematicRolloutFailure):
             for _ in range(recipe.ROLLOUT_ABORT_STREAK):
                 guard.record("rollout", "exit code 1: sandbox failed to boot")

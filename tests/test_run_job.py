@@ -4,7 +4,9 @@ bad input stopping the job before anything starts, and no process left behind.""
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -224,7 +226,7 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     evaluation = next(c for c in commands if c[-1].endswith("run_eval.sh"))
     assert "EVAL_TASKS=4" in evaluation and "CHECKPOINT=final" in evaluation
     assert evaluation[evaluation.index("timeout") + 1].endswith("s")  # what the smoke deadline leaves
-    assert lines[-1].endswith(f"smoke_report.py report --work-dir {work} --stages {work}/stages")
+    assert lines[-1].endswith(f"smoke_report.py report --work-dir {work} --stages {work}/{recipe.STAGES_NAME}")
     assert stub_log(job) == []
 
 
@@ -268,6 +270,17 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert log[11] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
     assert "SMOKE REPORT: GO" in out.stdout
     assert_no_leftovers(job["token"])
+
+
+def test_the_second_trainer_start_keeps_the_first_starts_rollout_counts_where_the_report_reads_them(job):
+    """Each start's rollout child begins a new ledger: run_job.sh keeps the first one aside under recipe.py's rule,
+    the one smoke_report.py reads every start's counts by."""
+    out = run_job(job, **SMOKE)
+    assert out.returncode == 0, out.stdout + out.stderr
+    work = job["tmp"] / "work"
+    [kept] = recipe.kept_ledgers(work)
+    assert json.loads(kept.read_text()) == {"output_dir": f"{work}/output"}
+    assert json.loads((work / recipe.LEDGER_NAME).read_text()) == {"output_dir": f"{work}/output-resume"}
 
 
 def test_smoke_no_go_fails_the_job(job):
@@ -469,6 +482,39 @@ def test_bad_input_stops_at_once(job, extra, message):
     assert "logs in" not in out.stdout  # no log folder to point at yet
 
 
+# One preflight (common.sh job_preflight) for the training job and the eval jobs: run_job.sh's final eval is
+# run_eval.sh, started with the training job's environment, so an input the eval refuses must stop the training job
+# before its 72 hours, not after them.
+SAME_LINE = [
+    ({"HF_TOKEN": ""}, "HF_TOKEN is not set"),
+    ({"ADAPTER_REPO": "you/x--y"}, "ADAPTER_REPO='you/x--y' is not a valid repo id"),
+    ({"SANDBOX": "daytona"}, "SANDBOX='daytona' is not offered"),
+    ({"REPORT_TO": "tensorboard"}, "REPORT_TO='tensorboard' is not offered"),
+    ({"JOB_ID": ""}, "cannot derive the job's public host"),
+    ({"JOB_ID": "a/b"}, "JOB_ID=a/b is not a job id"),
+    ({"SPACE_HOST": "a host"}, "SPACE_HOST='a host' is not a host name"),
+    ({"POLICY_PORT": "8001", "ENV_PORT": "8001"}, "POLICY_PORT and ENV_PORT are both 8001"),
+    ({"READY_TIMEOUT": "soon"}, "READY_TIMEOUT='soon' is not a whole number"),
+    ({"EVAL_TASKS": "251"}, "EVAL_TASKS=251 is out of range"),
+    ({"EVAL_CONCURRENCY": "0"}, "EVAL_CONCURRENCY=0 is out of range"),  # run_eval.sh refused it, run_job.sh did not
+    ({"DEBUG": "maybe"}, "DEBUG='maybe' is not a yes/no value"),  # every Python step refused it, no preflight did
+]
+
+
+@pytest.mark.parametrize(("extra", "message"), SAME_LINE)
+def test_the_training_and_eval_jobs_refuse_the_same_bad_input_with_the_same_line(tmp_path, extra, message):
+    env = {"PATH": os.environ["PATH"], "PYTHON": sys.executable, "DRY_RUN": "1", "LOG_DIR": str(tmp_path / "logs"),
+           "WORK_DIR": str(tmp_path / "work"), "ADAPTER_REPO": "you/x", "HF_TOKEN": SECRET, "JOB_ID": "job123",
+           **extra}
+    lines = {}
+    for script in ("run_job.sh", "run_eval.sh", "run_eval_watch.sh"):
+        out = subprocess.run(["bash", str(ROOT / script)], env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode != 0 and "step 1/" not in out.stdout, (script, out.stdout)
+        [line] = out.stderr.strip().splitlines()
+        lines[script] = line.split("] ", 1)[1]  # less the time stamp
+    assert message in lines["run_job.sh"] and len(set(lines.values())) == 1, lines
+
+
 def test_port_in_use_stops_at_once(job):
     with socket.socket() as busy:
         busy.bind(("127.0.0.1", job["ports"]["PUBLIC_PORT"]))
@@ -496,3 +542,32 @@ def test_space_host_wins_over_job_id(job):
     out = run_job(job, DRY_RUN="1", SPACE_HOST="https://custom--8000.hf.jobs/")
     assert out.returncode == 0, out.stderr
     assert "CAPTURE_URL=https://custom--8000.hf.jobs/capture" in out.stdout
+
+
+# --- each script's header is its environment reference ------------------------------------------------------------
+def knobs_checked(script: str, common: str) -> set[str]:
+    """The knobs a script's text checks (env_knobs, job_knobs), itself or through the common.sh functions it calls."""
+    functions = dict(re.findall(r"^([a-z_]+)\(\) \{(.*?)^\}", common, re.M | re.S))
+    arrays = dict(re.findall(r"^([A-Z_]+)=\(([A-Z_ ]*)\)$", common, re.M))
+    found: set[str] = set()
+    seen: set[str] = set()
+    texts = [script]
+    while texts:
+        text = texts.pop().replace("\\\n", " ")
+        for array, names in arrays.items():
+            text = text.replace(f'"${{{array}[@]}}"', names)
+        found |= {name for args in re.findall(r"\b(?:env|job)_knobs ((?:[A-Z_]+ *)+)", text) for name in args.split()}
+        for name, body in functions.items():
+            if name not in seen and re.search(rf"(?<![\w-]){name}\b(?!\(\))", text):
+                seen.add(name)
+                texts.append(body)
+    return found
+
+
+@pytest.mark.parametrize("script", ["run_job.sh", "run_eval.sh", "serve_env.sh", "serve_policy.sh"])
+def test_a_scripts_header_names_every_knob_it_checks_and_only_recipe_defaults(script):
+    text = (ROOT / script).read_text()
+    header = "".join(re.match(r"#!.*\n((?:#.*\n)+)", text).group(1))
+    checked = knobs_checked(text, (ROOT / "common.sh").read_text()) | {"DRY_RUN"}  # common.sh checks it for all
+    assert {name for name in checked if not re.search(rf"\b{name}\b", header)} == set()
+    assert {name for name in re.findall(r"<([A-Z][A-Z0-9_]*)>", header) if not hasattr(recipe, name)} == set()

@@ -256,9 +256,10 @@ def test_other_no_go_causes(hub, tmp_path, change, reason):
 def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkeypatch, capsys):
     work = tmp_path / "work"
     work.mkdir()
-    (work / "train_log.json").write_text(json.dumps(train_log()))
-    (work / "rollouts.first-start.json").write_text(json.dumps(LEDGER))  # run_job.sh keeps the first start's counts
-    (work / "rollouts.json").write_text(json.dumps({**LEDGER, "unscorable": {**LEDGER["unscorable"], "capture": 2},
+    (work / recipe.TRAIN_LOG_NAME).write_text(json.dumps(train_log()))
+    (work / recipe.LEDGER_NAME).write_text(json.dumps(LEDGER))
+    recipe.keep_ledger_aside(work)  # as run_job.sh does before the second trainer start
+    (work / recipe.LEDGER_NAME).write_text(json.dumps({**LEDGER, "unscorable": {**LEDGER["unscorable"], "capture": 2},
                                                     "unscorable_total": 5, "stopped": None}))
     stages = tmp_path / "stages"
     stages.write_text("".join(f"start {s['stage']} 0\nend {s['stage']} 5 ok\n" for s in STAGES))
@@ -280,6 +281,19 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
         "unscorable": {"create": 0, "rollout": 4, "capture": 2, "empty_trace": 2, "verifier": 0},
         "timing": {"count": 118, "max": LEDGER["timing"]["max"]}}
     assert pushed["resume"]["verified"] and pushed["training"]["steps_done"] == 6
+
+
+def test_each_later_trainer_start_keeps_the_last_ledger_aside_under_the_next_number(tmp_path):
+    """The work folder's rule (recipe.py): rollouts.start-1.json, -2, ... in start order, compared as numbers."""
+    assert recipe.keep_ledger_aside(tmp_path) is None  # no start yet: nothing to keep
+    for start in range(1, 12):
+        (tmp_path / recipe.LEDGER_NAME).write_text(json.dumps({"start": start}))
+        assert recipe.keep_ledger_aside(tmp_path) == tmp_path / f"rollouts.start-{start}.json"
+        assert not (tmp_path / recipe.LEDGER_NAME).exists()
+    (tmp_path / "rollouts.start-x.json").write_text("{}")  # not a start's ledger: never counted
+    kept = recipe.kept_ledgers(tmp_path)
+    assert [json.loads(p.read_text())["start"] for p in kept] == list(range(1, 12))
+    assert recipe.next_kept_ledger(tmp_path) == tmp_path / "rollouts.start-12.json"
 
 
 def test_clear_empties_only_a_smoke_repo(hub, tmp_path):

@@ -129,7 +129,7 @@ class StepLog(TrainerCallback):
 
     def rollout_counts(self) -> dict[str, Any] | None:
         """The rollout guard's counts, read where README says they are: rollouts.json next to the heartbeat."""
-        ledger = self.heartbeat_file.with_name("rollouts.json")
+        ledger = recipe.work_file(self.heartbeat_file, recipe.LEDGER_NAME)
         return json.loads(ledger.read_text()) if ledger.is_file() else None
 
 
@@ -201,7 +201,8 @@ def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: a
     return {
         "MODEL": str(model_dir), "ADAPTER_REPO": ADAPTER_REPO, "HF_TOKEN": PLACEHOLDER_TOKEN,
         "MAX_STEPS": str(args.max_steps), "SAVE_STEPS": str(args.save_steps), "VLLM_URL": vllm_url,
-        "ENV_URL": env_url, "OUTPUT_DIR": str(workdir / "outputs"), "HEARTBEAT_FILE": str(workdir / "heartbeat"),
+        "ENV_URL": env_url, "OUTPUT_DIR": str(workdir / "outputs"),
+        "HEARTBEAT_FILE": str(workdir / recipe.HEARTBEAT_NAME),
         "RESUME": "1", "WEIGHT_SYNC": args.weight_sync, "DEVICE": "cpu",
         # Trackio logs locally (TRACKIO_DIR, default ~/.cache/huggingface/trackio): a rehearsal never makes a Space.
         "REPORT_TO": "trackio", "DASHBOARD_SPACE": "local", "JOB_ID": os.environ.get("JOB_ID", workdir.name),
@@ -252,14 +253,13 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, capture_url, args))
         faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
-        ledger = recipe.ledger_path(settings.heartbeat_file)
+        ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
         hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy, ledger, len(faults))
                if args.crash_after_checkpoint else LocalHub(workdir / "hub"))
         resumable = (adapter_repo.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
         (workdir / "sandboxes").mkdir(exist_ok=True)
-        if ledger.is_file():  # as run_job.sh does: a later start keeps the earlier start's counts
-            ledger.replace(workdir / f"rollouts.start-{len(list(workdir.glob('rollouts.*.json'))) + 1}.json")
+        recipe.keep_ledger_aside(ledger.parent)  # as run_job.sh does: a later start keeps the earlier start's counts
         factory = functools.partial(ScriptedAgentSessionFactory, capture_url, llm_url=vllm_url,
                                     model=recipe.SERVED_MODEL_NAME, agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS,
                                     sandbox_root=str(workdir / "sandboxes"), faults=faults,

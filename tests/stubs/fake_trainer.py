@@ -1,6 +1,7 @@
 """Stand-in for train_lora.py in run_job.sh tests: records its environment, then behaves per STUB_TRAIN.
 
-ok (default): touches HEARTBEAT_FILE once per step for MAX_STEPS steps and exits 0.
+ok (default): writes this start's rollout ledger ({output_dir}) next to HEARTBEAT_FILE, touches the heartbeat once
+  per step for MAX_STEPS steps and exits 0.
 stall: starts a grandchild `sleep`, touches the heartbeat once and hangs. crash: exits 7 with a traceback.
 slow_first_step: a healthy run whose first step takes 3 x STALL_SECONDS: rollouts keep finishing (the rollout
   child rewrites rollouts.json next to the heartbeat) while the trainer waits for samples and calls the real
@@ -10,11 +11,14 @@ wedged: rollouts keep finishing but the trainer is stuck (never waits, never ste
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
 import time
 from pathlib import Path
+
+import recipe  # the bundle's own, copied beside this stand-in
 
 KEYS = ("CUDA_VISIBLE_DEVICES", "ADAPTER_REPO", "MAX_STEPS", "VLLM_URL", "ENV_URL", "CAPTURE_URL", "SANDBOX",
         "SAVE_STEPS", "STOP_AFTER_STEP", "OUTPUT_DIR")
@@ -37,6 +41,8 @@ def main() -> None:
         heartbeat.touch()
         print("step 1 done; now hanging", flush=True)
         time.sleep(300)
+    ledger = recipe.work_file(heartbeat, recipe.LEDGER_NAME)  # this start's rollout child begins its own ledger
+    ledger.write_text(json.dumps({"output_dir": env["OUTPUT_DIR"]}))
     for step in range(int(env["MAX_STEPS"])):
         time.sleep(0.1)
         heartbeat.touch()
@@ -46,7 +52,7 @@ def main() -> None:
 def rollouts_finishing(heartbeat: Path, waiting: bool, seconds: float) -> None:
     """`seconds` without an optimizer step while a rollout finishes every 0.2 s."""
     heartbeat.write_text(f"0 {time.time():.0f}\n")  # train_lora.Heartbeat at train begin
-    ledger = heartbeat.with_name("rollouts.json")
+    ledger = recipe.work_file(heartbeat, recipe.LEDGER_NAME)
     try:
         from rollout_guard import refresh_heartbeat
     except ImportError:  # a bundle without the guard: the trainer's waiting is invisible to the watchdog
