@@ -445,7 +445,7 @@ def build_trainer(
         rollout_worker=worker,
         weight_transfer=weight_transfer,
     )
-    run_metrics.attach(trainer, recipe.ledger_path(settings.heartbeat_file))
+    run_metrics.attach(trainer, recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
     return trainer
 
 

@@ -197,7 +197,8 @@ def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loo
     import run_metrics
 
     sink: dict = defaultdict(list)
-    counter = run_metrics.RolloutCounts(sink, recipe.ledger_path(tmp_path / "heartbeat"))  # before the child starts
+    # Made before the rollout child starts, as train_lora attaches it.
+    counter = run_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     plan = ("scored", "forked", "timeout", "verifier", "create")
     loop, _ = make_loop(functools.partial(PlannedSessionFactory, plan=plan))
     results = [loop._run_session(PROMPT, 0)[0] for _ in range(3)]
@@ -219,7 +220,7 @@ def test_a_timed_out_rollout_whose_verifier_wrote_no_reward_shows_as_timed_out_a
     import run_metrics
 
     sink: dict = defaultdict(list)
-    counter = run_metrics.RolloutCounts(sink, recipe.ledger_path(tmp_path / "heartbeat"))
+    counter = run_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("timeout_verifier",)))
     assert loop._run_session(PROMPT, 0)[0][5] is None
     assert (ledger(settings)["timed_out"], ledger(settings)["unscorable"]["verifier"]) == (1, 1)
