@@ -18,6 +18,7 @@ ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress be
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 import time
@@ -32,6 +33,11 @@ from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
 LEDGER_NAME = "rollouts.json"
+# One JSON line per finished rollout, next to the ledger and appended across starts: which task ended how, and where
+# its Harbor trial folder is (kept only for a failed rollout): what the counts cannot say when diagnosing a run.
+# ~300 bytes a rollout: ~5 MB for the recipe's ~16k rollouts. A line: task, outcome ("scored", "timed_out" or its
+# unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), error, trial, trial_kept, at.
+ROLLOUT_LOG_NAME = "rollout_log.jsonl"
 
 
 class RolloutFailure(RuntimeError):
@@ -78,14 +84,17 @@ class Ledger:
             "timed_out": 0, "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
+        self.log_path = self.path.with_name(ROLLOUT_LOG_NAME)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
-               timing: Mapping[str, float] | None = None) -> None:
+               timing: Mapping[str, float] | None = None, task: str | None = None, reward: float | None = None,
+               trial: Path | None = None) -> None:
         """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
-        (sandbox_lifecycle.trial_timing). Raises SystematicRolloutFailure on a trip, ValueError for a timing part not
-        in TIMING_PARTS (a caller's bug, refused before anything is counted)."""
+        (sandbox_lifecycle.trial_timing); `task`, `reward` and its Harbor `trial` folder go to its log line only.
+        Raises SystematicRolloutFailure on a trip, ValueError for a timing part not in TIMING_PARTS (a caller's bug,
+        refused before anything is counted)."""
         unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
         if unknown:
             raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
@@ -109,6 +118,9 @@ class Ledger:
             failed = [c for c in self._recent if c is not None]
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
+            self._log({"task": task, "outcome": failure or ("timed_out" if timed_out else "scored"), "reward": reward,
+                       "error": error[:500], "trial": str(trial) if trial else None,
+                       "trial_kept": trial.exists() if trial else None, "at": state["updated"]})
             if len(self._streak) >= self.streak_limit:
                 state["stopped"] = self._stop_line(f"{len(self._streak)} rollouts in a row were unscorable",
                                                    self._streak, failure, error)
@@ -135,6 +147,10 @@ class Ledger:
     def _write(self) -> None:
         recipe.write_json(self.path, self.state)
 
+    def _log(self, line: dict[str, Any]) -> None:
+        with self.log_path.open("a") as log:
+            log.write(json.dumps(line) + "\n")
+
 
 def _trl_sequences(trace: Any) -> list[Any]:
     """What TRL 1.15 will make of this trace (same calls, same order as `_run_session`); raises where TRL would."""
@@ -148,6 +164,11 @@ def _trl_sequences(trace: Any) -> list[Any]:
     return sequences
 
 
+def _text(prompt: Any) -> str:
+    """A prompt's last message text (TRL's prompt is the row's message list), the key of the task-name map."""
+    return str(prompt[-1].get("content", "")) if isinstance(prompt, list) and prompt else str(prompt)
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -155,8 +176,9 @@ def _describe(error: BaseException) -> str:
 class GuardedSession:
     """One rollout through a wrapped session; classifies how it ended and records it when TRL closes it."""
 
-    def __init__(self, inner: Any, ledger: Ledger) -> None:
-        self.inner, self.ledger = inner, ledger
+    def __init__(self, inner: Any, ledger: Ledger, task: str | None = None) -> None:
+        self.inner, self.ledger, self.task = inner, ledger, task
+        self.reward: float | None = None
         self.failure: str | None = None
         self.error = ""
         self.timed_out = False
@@ -229,6 +251,7 @@ class GuardedSession:
             raise self._fail("verifier", _describe(error)) from error
         if result.env_reward is None:
             raise self._fail("verifier", "the verifier wrote no reward")
+        self.reward = result.env_reward
         return result
 
     def close(self) -> None:
@@ -242,7 +265,8 @@ class GuardedSession:
                 self._recorded = True
                 # The inner session times its trial when it closes (harbor_sessions; scripted sessions do not).
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
-                                   timing=getattr(self.inner, "timing", None))
+                                   timing=getattr(self.inner, "timing", None), task=self.task, reward=self.reward,
+                                   trial=getattr(self.inner, "trial_dir", None))
 
 
 class GuardedSessionFactory:
@@ -256,17 +280,25 @@ class GuardedSessionFactory:
         if callable(warm):
             warm()
         self.ledger = Ledger(ledger_file)
+        self._names: dict[str, str] | None = None
 
     def prompt_rows(self) -> list[dict[str, Any]]:
         return self.inner.prompt_rows()
 
+    def task_name(self, task: Any) -> str | None:
+        """The served task a prompt is (TRL hands create() the prompt only), for the rollout log."""
+        if self._names is None:
+            self._names = {_text(row["prompt"]): row.get("task_name") for row in self.prompt_rows()}
+        return self._names.get(_text(task))
+
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> GuardedSession:
+        name = self.task_name(task)
         try:
             session = self.inner.create(task, seed=seed, episode_id=episode_id)
         except Exception as error:
-            self.ledger.record("create", _describe(error))
+            self.ledger.record("create", _describe(error), task=name)
             raise RolloutFailure(f"create: {_describe(error)}") from error
-        return GuardedSession(session, self.ledger)
+        return GuardedSession(session, self.ledger, name)
 
 
 def guarded(factory: Callable[..., Any], ledger_file: str | Path) -> Callable[..., GuardedSessionFactory]:
