@@ -99,7 +99,7 @@ def chain(tmp_path_factory):
     model_dir = save_tiny_model(root / "model")
     modes = {names[0]: ["right", "wrong", "none", "malformed", "right", "wrong", "right", "none"],  # the group
              **{name: ["right"] for name in names[1:8]}, names[8]: ["loop"]}
-    policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=262144,
+    policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=envserver.POLICY_MAX_MODEL_LEN,
                           script=Script(modes, RIGHT, WRONG))
     policy.start()
     server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url)

@@ -22,6 +22,9 @@ import recipe
 
 ROOT = Path(__file__).resolve().parents[2]
 IMAGE_ROOT = ROOT / ".chain-image" / "root"
+# The policy double's context: large enough that none of OpenCode's requests is refused for length (the tiny model
+# has no context limit of its own).
+POLICY_MAX_MODEL_LEN = 262144
 HEALTH_TIMEOUT_S = 180  # the server imports Harbor and openenv and loads the tasks: ~20 s idle, far more when loaded
 
 
@@ -93,6 +96,10 @@ class EnvServer:
         self.unmount_leftovers()
 
     def unmount_leftovers(self) -> None:
-        """Lazily unmount the overlays of trials a killed server never stopped (a clean stop unmounts its own)."""
-        for merged in self.sandboxes.glob("*/merged"):
-            subprocess.run(["umount", "-l", str(merged)], capture_output=True)
+        unmount_leftovers(self.sandboxes)
+
+
+def unmount_leftovers(sandboxes: Path) -> None:
+    """Lazily unmount the overlays of trials a killed server never stopped (a clean stop unmounts its own)."""
+    for merged in Path(sandboxes).glob("*/merged"):
+        subprocess.run(["umount", "-l", str(merged)], capture_output=True)
