@@ -292,8 +292,9 @@ class GuardedSessionFactory:
         return self._names.get(_text(task))
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> GuardedSession:
-        name = self.task_name(task)
+        name = None
         try:
+            name = self.task_name(task)
             session = self.inner.create(task, seed=seed, episode_id=episode_id)
         except Exception as error:
             self.ledger.record("create", _describe(error), task=name)
