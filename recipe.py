@@ -352,6 +352,12 @@ HEARTBEAT_NAME = "heartbeat"
 TRAIN_LOG_NAME = "train_log.json"
 # The rollout counts of the trainer start running now (rollout_guard.Ledger): each start's rollout child begins anew.
 LEDGER_NAME = "rollouts.json"
+# One JSON line per finished rollout (rollout_guard.Ledger), beside the ledger and appended across starts: which task
+# ended how, and where its Harbor trial folder is (kept only for a failed rollout): what the counts cannot say when
+# diagnosing a run. ~300 bytes a rollout: ~5 MB for the recipe's ~16k rollouts. A line: task, outcome ("scored",
+# "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), error, trial,
+# trial_kept, at.
+ROLLOUT_LOG_NAME = "rollout_log.jsonl"
 # A later trainer start in the same folder first keeps the last start's ledger aside under this glob, its * the start's
 # number, 1, 2, ... in start order (keep_ledger_aside), so the smoke report sums every start's counts (kept_ledgers).
 KEPT_LEDGER_GLOB = "rollouts.start-*.json"

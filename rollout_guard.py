@@ -22,6 +22,7 @@ smoke report read it too.
 from __future__ import annotations
 
 import functools
+import json
 import os
 import threading
 import time
@@ -35,7 +36,6 @@ from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
-
 
 class RolloutFailure(RuntimeError):
     """One rollout failed for a reason outside the policy. Not a ValueError: TRL scores it unscorable."""
@@ -79,15 +79,17 @@ class Ledger:
             "unscorable_total": 0, "streak": 0,
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
+        self.log_path = self.path.with_name(recipe.ROLLOUT_LOG_NAME)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
-               timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0) -> None:
+               timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0,
+               task: str | None = None, reward: float | None = None, trial: Path | None = None) -> None:
         """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
-        (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture). Raises
-        SystematicRolloutFailure on a trip, ValueError for a timing part not in TIMING_PARTS (a caller's bug, refused
-        before anything is counted)."""
+        (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture); `task`,
+        `reward` and its Harbor `trial` folder go to its log line only. Raises SystematicRolloutFailure on a trip,
+        ValueError for a timing part not in TIMING_PARTS (a caller's bug, refused before anything is counted)."""
         unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
         if unknown:
             raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
@@ -113,6 +115,9 @@ class Ledger:
             failed = [c for c in self._recent if c is not None]
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
+            self._log({"task": task, "outcome": failure or ("timed_out" if timed_out else "scored"), "reward": reward,
+                       "error": error[:500], "trial": str(trial) if trial else None,
+                       "trial_kept": trial.exists() if trial else None, "at": state["updated"]})
             if len(self._streak) >= self.streak_limit:
                 state["stopped"] = self._stop_line(f"{len(self._streak)} rollouts in a row were unscorable",
                                                    self._streak, failure, error)
@@ -139,6 +144,10 @@ class Ledger:
     def _write(self) -> None:
         recipe.write_json(self.path, self.state)
 
+    def _log(self, line: dict[str, Any]) -> None:
+        with self.log_path.open("a") as log:
+            log.write(json.dumps(line) + "\n")
+
 
 class Capture(NamedTuple):
     """What TRL 1.15 trains a rollout's trace as: its rows, whether it forked, its tool calls (TRL's own counts)."""
@@ -160,6 +169,11 @@ def _trl_capture(trace: Any) -> Capture:
     return Capture(sequences, tally["fork"] > 0, sum(_tool_call_counts_by_name(entries).values()))
 
 
+def _text(prompt: Any) -> str:
+    """A prompt's last message text (TRL's prompt is the row's message list), the key of the task-name map."""
+    return str(prompt[-1].get("content", "")) if isinstance(prompt, list) and prompt else str(prompt)
+
+
 def _describe(error: BaseException) -> str:
     return f"{type(error).__name__}: {error}"
 
@@ -167,8 +181,9 @@ def _describe(error: BaseException) -> str:
 class GuardedSession:
     """One rollout through a wrapped session; classifies how it ended and records it when TRL closes it."""
 
-    def __init__(self, inner: Any, ledger: Ledger) -> None:
-        self.inner, self.ledger = inner, ledger
+    def __init__(self, inner: Any, ledger: Ledger, task: str | None = None) -> None:
+        self.inner, self.ledger, self.task = inner, ledger, task
+        self.reward: float | None = None
         self.failure: str | None = None
         self.error = ""
         self.timed_out = False
@@ -242,6 +257,7 @@ class GuardedSession:
             raise self._fail("verifier", _describe(error)) from error
         if result.env_reward is None:
             raise self._fail("verifier", "the verifier wrote no reward")
+        self.reward = result.env_reward
         return result
 
     def close(self) -> None:
@@ -257,7 +273,8 @@ class GuardedSession:
                 capture = self.capture or Capture([], False, 0)
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
                                    timing=getattr(self.inner, "timing", None), forked=capture.forked,
-                                   tool_calls=capture.tool_calls)
+                                   tool_calls=capture.tool_calls, task=self.task, reward=self.reward,
+                                   trial=getattr(self.inner, "trial_dir", None))
 
 
 class GuardedSessionFactory:
@@ -271,17 +288,26 @@ class GuardedSessionFactory:
         if callable(warm):
             warm()
         self.ledger = Ledger(ledger_file)
+        self._names: dict[str, str] | None = None
 
     def prompt_rows(self) -> list[dict[str, Any]]:
         return self.inner.prompt_rows()
 
+    def task_name(self, task: Any) -> str | None:
+        """The served task a prompt is (TRL hands create() the prompt only), for the rollout log."""
+        if self._names is None:
+            self._names = {_text(row["prompt"]): row.get("task_name") for row in self.prompt_rows()}
+        return self._names.get(_text(task))
+
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> GuardedSession:
+        name = None
         try:
+            name = self.task_name(task)
             session = self.inner.create(task, seed=seed, episode_id=episode_id)
         except Exception as error:
-            self.ledger.record("create", _describe(error))
+            self.ledger.record("create", _describe(error), task=name)
             raise RolloutFailure(f"create: {_describe(error)}") from error
-        return GuardedSession(session, self.ledger)
+        return GuardedSession(session, self.ledger, name)
 
 
 def guarded(factory: Callable[..., Any], ledger_file: str | Path) -> Callable[..., GuardedSessionFactory]:

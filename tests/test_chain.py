@@ -14,49 +14,29 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import shutil
-import subprocess
-import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from stubs.procs import free_port, wait_http
+from chain import envserver
 
 import recipe
 
-ROOT = Path(__file__).resolve().parents[1]
-IMAGE_ROOT = ROOT / ".chain-image" / "root"
 MODEL = recipe.SERVED_MODEL_NAME
 RIGHT, WRONG = "4.2", "7.5"  # harbor_fixture's EXPECTED_ANSWER, and one the grader refuses
 AGENT_TIMEOUT_S = 240.0  # far above a scripted rollout's need, on a loaded 2-core machine too
 
 
-def missing() -> str:
-    """What the chain needs here and does not have ('' when all is there)."""
-    if os.geteuid() != 0:
-        return "root (overlay mounts)"
-    if not shutil.which("bwrap"):
-        return "bubblewrap (apt-get install bubblewrap, or bash setup.sh)"
-    if not (IMAGE_ROOT / "usr" / "local" / "bin" / "opencode").exists():
-        return "the sandbox image root (bash setup.sh builds .chain-image/root)"
-    return ""
-
-
-if missing():
-    if os.environ.get("CI") == "true":
-        pytest.fail(f"the rollout chain cannot run: missing {missing()}", pytrace=False)
-    pytest.skip(f"the rollout chain needs {missing()}", allow_module_level=True)
+envserver.require()
 
 
 class Chain:
     """The module's env server, policy and bucket, and a way to run rollouts through harbor_sessions + the guard."""
 
-    def __init__(self, root: Path, tasks: Path, policy, bucket, env_url: str, server: subprocess.Popen) -> None:
-        self.root, self.tasks, self.policy, self.bucket = root, tasks, policy, bucket
-        self.env_url, self.server = env_url, server
+    def __init__(self, root: Path, tasks: Path, policy, bucket, server: envserver.EnvServer) -> None:
+        self.root, self.tasks, self.policy, self.bucket, self.server = root, tasks, policy, bucket, server
+        self.env_url = server.url
         self.names = sorted(p.name for p in (tasks / "train" / "tasks").iterdir())
 
     def factory(self, **overrides):
@@ -119,38 +99,18 @@ def chain(tmp_path_factory):
     model_dir = save_tiny_model(root / "model")
     modes = {names[0]: ["right", "wrong", "none", "malformed", "right", "wrong", "right", "none"],  # the group
              **{name: ["right"] for name in names[1:8]}, names[8]: ["loop"]}
-    policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=262144,
+    policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=envserver.POLICY_MAX_MODEL_LEN,
                           script=Script(modes, RIGHT, WRONG))
     policy.start()
-    env_port, capture_port = free_port(), free_port()
-    env = {**{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "SPACE_HOST")},
-           "HOME": str(root / "home"), "ENABLE_WEB_INTERFACE": "false", "MAX_CONCURRENT_ENVS": "16",
-           "OPENENV_HARBOR_AGENT_VERSIONS": json.dumps({"opencode": recipe.OPENCODE_VERSION}),
-           "OPENENV_HARBOR_TRIALS_DIR": str(root / "trials"), "CHAIN_SANDBOX_DIR": str(root / "sandboxes"),
-           "CHAIN_IMAGES": json.dumps({recipe.TASK_IMAGE: [str(IMAGE_ROOT)]}), "CHAIN_HF_ENDPOINT": bucket.url,
-           "CHAIN_FAULTS_FILE": str(root / "faults.json"),
-           "LITELLM_LOCAL_MODEL_COST_MAP": "True"}  # Harbor's LiteLLM would fetch its price list from GitHub
-    argv = [sys.executable, str(ROOT / "tests" / "chain" / "serve.py"), "serve", "--", "harbor", "serve",
-            "--llm-url", policy.url, "--model", MODEL, "--host", "127.0.0.1", "--port", str(env_port),
-            "--capture-port", str(capture_port), "--expose", "direct", "--max-output-tokens", str(recipe.MAX_TOKENS),
-            "--dataset", str(tasks / "train")]
-    chain = Chain(root, tasks, policy, bucket, f"http://127.0.0.1:{env_port}", None)
-    chain.start = lambda: subprocess.Popen(argv, env=env, stdout=(root / "env_server.log").open("a"),
-                                           stderr=subprocess.STDOUT)
-    chain.server = chain.start()
+    server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url)
+    chain = Chain(root, tasks, policy, bucket, server)
     try:
-        wait_http(f"{chain.env_url}/health", chain.server, timeout=180)
+        server.start()
         yield chain
     finally:
-        chain.server.terminate()
-        try:
-            chain.server.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            chain.server.kill()
+        server.stop()
         policy.stop()
         bucket.stop()
-        for merged in (root / "sandboxes").glob("*/merged"):  # trials the killed env server left mounted
-            subprocess.run(["umount", "-l", str(merged)], capture_output=True)
 
 
 @pytest.fixture(scope="module")
@@ -272,15 +232,15 @@ def test_an_env_server_restart_fails_the_rollout_in_flight_as_a_rollout_failure(
     while not (set(trials.iterdir()) - before if trials.exists() else set()):  # the rollout's trial has begun
         assert time.monotonic() < deadline and worker.is_alive()
         time.sleep(0.5)
-    chain.server.kill()  # the env server dies mid-rollout (OOM, a crash), and comes back
-    chain.server.wait()
-    chain.server = chain.start()
+    chain.server.process.kill()  # the env server dies mid-rollout (OOM, a crash), and comes back
+    chain.server.process.wait()
+    chain.server.start(wait=False)
     worker.join(timeout=300)
     (_, session, _, reward), = result["out"]
     assert reward is None and session.failure == "rollout", session.error
     assert (result["ledger"]["rollouts"], result["ledger"]["unscorable"]["rollout"]) == (1, 1)
     # Back: the fault rollouts below run on the restarted server.
-    wait_http(f"{chain.env_url}/health", chain.server, timeout=180)
+    chain.server.wait()
     assert len(chain.factory()().prompt_rows()) == len(chain.names)
 
 
@@ -297,7 +257,7 @@ def faulted(chain, tmp_path_factory):
     (stale / "usr" / "local" / "bin").mkdir(parents=True)
     (stale / "usr" / "local" / "bin" / "opencode").write_text("#!/bin/sh\necho 1.0.0\n")
     (stale / "usr" / "local" / "bin" / "opencode").chmod(0o755)
-    (chain.root / "faults.json").write_text(json.dumps({start: {"start": "image pull failed (injected)"},
+    chain.server.faults_file.write_text(json.dumps({start: {"start": "image pull failed (injected)"},
                                                         install: {"layers": [str(stale)]}}))
     del chain.bucket.files[f"user__{health}"]
     toml = chain.tasks / "train" / "tasks" / health / "task.toml"

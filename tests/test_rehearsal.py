@@ -11,7 +11,6 @@ same train_lora.train(); the README's plain `rehearse.py` differs only in being 
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -42,7 +41,7 @@ REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 sys.path.insert(0, str(REHEARSAL))
 
 from policy_server import ANSWER_FILE, OldestTaskFirst, PolicyServer, Script  # noqa: E402
-from rehearse import ADAPTER_REPO, start_capture_proxy, wait_for_proxy  # noqa: E402
+from rehearse import ADAPTER_REPO, run_apart, start_capture_proxy, wait_for_proxy  # noqa: E402
 from sessions import ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
@@ -269,19 +268,7 @@ def test_sessions_run_the_agent_through_the_real_capture_proxy(server: PolicySer
 
 
 def run_rehearsal(workdir: Path, *extra: str, timeout: int = 280) -> subprocess.CompletedProcess:
-    """Run rehearse.py in its own process group, and reap the group whatever happens."""
-    process = subprocess.Popen([sys.executable, str(REHEARSAL / "rehearse.py"), "--workdir", str(workdir), *extra],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env={**os.environ, "MAX_STEPS": "3", "SAVE_STEPS": "2", "JOB_ID": workdir.parent.name})
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-    return subprocess.CompletedProcess(process.args, process.returncode, out)
+    return run_apart(workdir, *extra, env={"MAX_STEPS": "3", "SAVE_STEPS": "2"}, timeout=timeout)
 
 
 # What `--faults all` injects (sessions.FAULTS, one rollout each), as rollout_guard counts it: unscorable by class.

@@ -123,6 +123,27 @@ def test_a_scored_rollout_is_counted_and_ends_a_failure_streak(make_loop):
     assert (counts["rollouts"], counts["scored"], counts["unscorable_total"], counts["streak"]) == (1, 1, 0, 0)
 
 
+def test_each_finished_rollout_is_one_line_of_the_rollout_log_with_task_reward_outcome_and_trial(make_loop):
+    """Beside the counts, rollout_log.jsonl says which rollout ended how (appended across starts): its task, reward,
+    outcome (scored, timed_out, or its unscorable class), error, and its Harbor trial folder where it had one."""
+    outcomes = []
+    for factory in (functools.partial(FakeSessionFactory), functools.partial(FaultySessionFactory, fault="verifier"),
+                    functools.partial(FaultySessionFactory, fault="timeout")):
+        loop, settings = make_loop(factory)  # each a new start on the same heartbeat folder
+        (*_, reward), _ = loop._run_session(PROMPT, 0)
+        outcomes.append(reward)
+    log = recipe.work_file(settings.heartbeat_file, recipe.ROLLOUT_LOG_NAME)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    # `reward` is the verifier's grade (TRL's trained reward adds the tool bonus to a right answer's); the faulty
+    # fakes grade every rollout 1.0.
+    graded = [None if r is None else float(r >= recipe.CORRECT_REWARD) for r in outcomes]
+    assert graded[1:] == [None, 1.0]
+    assert [(r["task"], r["outcome"], r["reward"]) for r in lines] == [
+        ("task-0", "scored", graded[0]), ("task-0", "verifier", None), ("task-0", "timed_out", 1.0)]
+    assert "verifier" in lines[1]["error"] and lines[0]["error"] == ""
+    assert all(r["trial"] is None and r["trial_kept"] is None for r in lines)  # the fakes run no Harbor trial
+
+
 def test_systematic_failure_stops_the_worker_with_one_line_naming_class_and_error(make_loop):
     """Every session create fails (env server down): the real loop stops itself, no endless unscorable spin."""
     loop, settings = make_loop(functools.partial(FaultySessionFactory, fault="create"))

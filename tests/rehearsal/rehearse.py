@@ -3,6 +3,7 @@
     .venv/bin/python tests/rehearsal/rehearse.py                         # MAX_STEPS=3, SAVE_STEPS=2, temp workdir
     .venv/bin/python tests/rehearsal/rehearse.py --workdir W --crash-after-checkpoint 2   # dies after pushing it
     .venv/bin/python tests/rehearsal/rehearse.py --workdir W             # resumes from checkpoint-2, runs step 3
+    .venv/bin/python tests/rehearsal/rehearse.py --real-chain            # every rollout through the real chain
 
 The production code path of train_lora.py runs unchanged (settings_from_env -> train -> build_trainer, TRL's
 AsyncGRPOTrainer and HarnessRolloutWorker, the merge-free weight sync, heartbeat, checkpoint push, resume). Only
@@ -12,11 +13,17 @@ what cannot exist on a CPU machine is substituted, each piece under tests/:
     vLLM (GPU 1)          -> policy_server.py: transformers on 127.0.0.1, vLLM's routes, real processed logprobs
     NCCL weight stream    -> weight_transfer.py: same names/shapes/dtypes, copied in-process, checked every sync
     env server + HF Sandbox + OpenCode -> sessions.py: scripted agent through the REAL OpenEnv capture proxy
+        or, with --real-chain, the real chain as tests/test_chain.py runs it: `openenv harbor serve` (started by
+        tests/chain/envserver.py) -> Harbor's Trial in the bubblewrap sandbox -> the real OpenCode -> the task's own
+        verifier, on the synthetic fixture's prepared tasks, through the factory train_lora builds from ENV_URL;
+        the policy server plays a Script (right, wrong, no answer per task) with the tiny model's tokens
     the Hub               -> tests/hub_double.py: LocalHub in the workdir
     the dashboard Space   -> Trackio's local storage (TRACKIO_DIR), project named after the adapter repo
     GPU kernels           -> tests/trl_cpu_shims.py: sdpa attention, torch log-probs, no vLLM import check
 
-Prints a step table (reward mean, loss, importance-ratio mean, sync ms) and writes it to WORKDIR/report.json.
+Prints a step table (reward mean, loss, importance-ratio mean, sync ms) and writes it to WORKDIR/report.json, with
+every finished rollout (rollout_guard's rollout log: task, verifier reward, outcome, Harbor trial folder and whether
+it was kept).
 Exits 1 if any sync left the server's weights different from the trainer's merged weights. With --smoke-report it
 ends as the smoke job does: smoke_report.py reads what the run left (train_log.json, rollouts.json, the checkpoints
 downloaded back from the hub double) and writes WORKDIR/smoke_report.json, pushed to the hub double; NO-GO exits 1.
@@ -47,9 +54,12 @@ HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 import httpx  # noqa: E402
+from chain.bucket import Bucket  # noqa: E402
+from chain.envserver import POLICY_MAX_MODEL_LEN, EnvServer, missing  # noqa: E402
 from fake_sessions import write_task_list  # noqa: E402
+from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
-from policy_server import PolicyServer  # noqa: E402
+from policy_server import PolicyServer, Script  # noqa: E402
 from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from tiny_lfm2 import save_tiny_model  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
@@ -79,6 +89,17 @@ REHEARSAL_RATIO_BAND = (0.9, 1.1)
 # benchmarks/fork_frac.py) and judged by a real smoke run.
 REHEARSAL_LIMITS = {"unscorable": 0.5, "fork": 1.0}
 FAULTS_SETTLE_S = 120  # how long --crash-after-checkpoint waits for the injected faults to reach the ledger
+# --real-chain: 4 prepared train tasks (a group per step, one more in flight, one spare). Groups of 2 rollouts, one in
+# flight, not the recipe's 8 and 32: the tiny model's byte-level tokenizer makes every trained row OpenCode's whole
+# prompt in bytes, so each row costs far more than a real one on CPU, and 32 concurrent sandboxes would swamp a 2-core
+# machine; the code path is the same at any size. Each task's k-th rollout plays CHAIN_MODES[k % 4] (right, wrong,
+# no answer), so every group has reward contrast; the grader's answer (harbor_fixture) and a wrong one; the data each
+# task's healthcheck pulls from the loopback bucket.
+CHAIN_TASKS = {"n_medium": 2, "n_hard": 2, "n_test": 1}
+CHAIN_GROUP = 2
+CHAIN_MODES = ["right", "wrong", "none", "right"]
+CHAIN_ANSWERS = ("4.2", "7.5")
+CHAIN_TABLE = b"x\n4.0\n4.4\n"
 
 
 class StepLog(TrainerCallback):
@@ -125,7 +146,12 @@ class StepLog(TrainerCallback):
     def report(self) -> dict[str, Any]:
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
                 "syncs": [asdict(record) for record in self.transfer.records], "served_dtype": recipe.SERVE_DTYPE,
-                "rollouts": self.rollout_counts(), "trained_groups": self.trained}
+                "rollouts": self.rollout_counts(), "rollout_log": self.rollout_log(), "trained_groups": self.trained}
+
+    def rollout_log(self) -> list[dict[str, Any]]:
+        """Every finished rollout of every start in this workdir, as the guard logged it (rollout_guard)."""
+        log = recipe.work_file(self.heartbeat_file, recipe.ROLLOUT_LOG_NAME)
+        return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
     def rollout_counts(self) -> dict[str, Any] | None:
         """The rollout guard's counts, read where README says they are: rollouts.json next to the heartbeat."""
@@ -196,7 +222,8 @@ def wait_for_proxy(proxy: subprocess.Popen, url: str, log_file: Path, timeout_s:
     raise RuntimeError(f"capture proxy did not answer /health within {timeout_s:.0f} s; see {log_file}")
 
 
-def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: argparse.Namespace) -> dict[str, str]:
+def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: argparse.Namespace,
+            task_data: str) -> dict[str, str]:
     """The environment train_lora.settings_from_env() reads, pointing at the local stand-ins."""
     return {
         "MODEL": str(model_dir), "ADAPTER_REPO": ADAPTER_REPO, "HF_TOKEN": PLACEHOLDER_TOKEN,
@@ -206,9 +233,35 @@ def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: a
         "RESUME": "1", "WEIGHT_SYNC": args.weight_sync, "DEVICE": "cpu",
         # Trackio logs locally (TRACKIO_DIR, default ~/.cache/huggingface/trackio): a rehearsal never makes a Space.
         "REPORT_TO": "trackio", "DASHBOARD_SPACE": "local", "JOB_ID": os.environ.get("JOB_ID", workdir.name),
-        # The scripted tasks' own list (prepare_tasks' format), in the order the sessions serve them.
-        "TASK_DATA": write_task_list(workdir / "data", [task["task_name"] for task in make_tasks(REHEARSAL_TASKS)]),
+        "TASK_DATA": task_data,
     }
+
+
+def chain_tasks(workdir: Path) -> tuple[Path, Path, list[str]]:
+    """The fixture's prepared tasks (made once per workdir, so a resumed start serves the same): the tasks folder,
+    the frozen lists' folder (TASK_DATA) and the train task names."""
+    fixture = workdir / "fixture"
+    if not (fixture / "tasks" / "train").is_dir():
+        materialized(fixture, **CHAIN_TASKS)
+    names = sorted(p.name for p in (fixture / "tasks" / "train" / "tasks").iterdir())
+    return fixture / "tasks", fixture / "data", names
+
+
+def run_apart(workdir: Path, *extra: str, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
+    """Run this script (for a test) in its own process group with `env` added and JOB_ID named after the workdir's
+    parent, and reap the whole group whatever happens: a start killed on purpose leaves no process behind."""
+    process = subprocess.Popen([sys.executable, __file__, "--workdir", str(workdir), *extra],
+                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env={**os.environ, "JOB_ID": workdir.parent.name, **env})
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, out)
 
 
 def print_table(rows: list[dict[str, Any]]) -> None:
@@ -234,7 +287,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"fail the first rollouts, one per listed class: 'all' = {','.join(FAULTS)}")
     parser.add_argument("--smoke-report", action="store_true",
                         help="end as the smoke job does: smoke_report.json from what the run left (exit 1 on NO-GO)")
-    return parser.parse_args(argv)
+    parser.add_argument("--real-chain", action="store_true",
+                        help="every rollout through the real env server, Harbor trial, OpenCode and verifier "
+                             "(needs root, bubblewrap and the image root setup.sh builds)")
+    args = parser.parse_args(argv)
+    if args.real_chain and (args.faults or args.smoke_report):
+        parser.error("--real-chain takes neither --faults (tests/test_chain.py injects real-chain faults) nor "
+                     "--smoke-report (run those with the scripted sessions)")
+    if args.real_chain and missing():
+        parser.error(f"--real-chain needs {missing()}")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -246,12 +308,29 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = workdir / "model"
     if not (model_dir / "config.json").is_file():
         save_tiny_model(model_dir)
-    server = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype=recipe.SERVE_DTYPE,
-                          max_model_len=recipe.MAX_MODEL_LEN)
+    if args.real_chain:
+        tasks, task_data, names = chain_tasks(workdir)
+        server = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype=recipe.SERVE_DTYPE,
+                              max_model_len=POLICY_MAX_MODEL_LEN,
+                              script=Script(dict.fromkeys(names, CHAIN_MODES), *CHAIN_ANSWERS))
+    else:
+        task_data = write_task_list(workdir / "data", [task["task_name"] for task in make_tasks(REHEARSAL_TASKS)])
+        server = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype=recipe.SERVE_DTYPE,
+                              max_model_len=recipe.MAX_MODEL_LEN)
     vllm_url = server.start(recipe.LOOPBACK)
-    proxy, capture_url = start_capture_proxy(vllm_url, workdir / "capture.log")
+    bucket = env_server = None
+    if args.real_chain:
+        bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": CHAIN_TABLE} for name in names})
+        env_server = EnvServer(workdir / "chain", tasks / "train", vllm_url, bucket.url)
+        # The trainer's sessions find the server's trial folders by openenv's rule, as in the job (one environment).
+        os.environ["OPENENV_HARBOR_TRIALS_DIR"] = str(env_server.trials)
+        recipe.NUM_GENERATIONS = recipe.MAX_INFLIGHT_ROLLOUTS = CHAIN_GROUP  # read when train_lora builds the trainer
+        proxy = env_server.start(wait=False)
+        env_url = env_server.url
+    else:
+        proxy, env_url = start_capture_proxy(vllm_url, workdir / "capture.log")
     try:
-        settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, capture_url, args))
+        settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, env_url, args, str(task_data)))
         faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
         ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
         hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy, ledger, len(faults))
@@ -260,10 +339,11 @@ def main(argv: list[str] | None = None) -> int:
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
         (workdir / "sandboxes").mkdir(exist_ok=True)
         recipe.keep_ledger_aside(ledger.parent)  # as run_job.sh does: a later start keeps the earlier start's counts
-        factory = functools.partial(ScriptedAgentSessionFactory, capture_url, llm_url=vllm_url,
-                                    model=recipe.SERVED_MODEL_NAME, agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS,
-                                    sandbox_root=str(workdir / "sandboxes"), faults=faults,
-                                    num_tasks=REHEARSAL_TASKS)
+        # --real-chain: None, so train_lora builds the production factory (harbor_sessions) from ENV_URL.
+        factory = None if args.real_chain else functools.partial(
+            ScriptedAgentSessionFactory, env_url, llm_url=vllm_url, model=recipe.SERVED_MODEL_NAME,
+            agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS, sandbox_root=str(workdir / "sandboxes"),
+            faults=faults, num_tasks=REHEARSAL_TASKS)
         transfer = InProcessWeightTransfer(server)
         log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), transfer,
                       resumable[-1] if resumable else None)
@@ -272,17 +352,28 @@ def main(argv: list[str] | None = None) -> int:
             trainer.add_callback(log)
 
         transfer.on_trainer = attach
-        wait_for_proxy(proxy, capture_url, workdir / "capture.log")
-        print(f"rehearse: workdir {workdir}; policy server {vllm_url}; capture proxy {capture_url} "
-              f"({time.monotonic() - started:.0f} s)", flush=True)
+        if env_server:
+            env_server.wait()
+        else:
+            wait_for_proxy(proxy, env_url, workdir / "capture.log")
+        print(f"rehearse: workdir {workdir}; policy server {vllm_url}; "
+              f"{'env server' if env_server else 'capture proxy'} {env_url} ({time.monotonic() - started:.0f} s)",
+              flush=True)
         with cpu_trainer_shims():
             train_lora.train(settings, factory=factory, weight_transfer=transfer, api=hub)
     finally:
-        proxy.terminate()
-        proxy.wait(timeout=30)
+        if env_server:
+            env_server.stop()
+            bucket.stop()
+        else:
+            proxy.terminate()
+            proxy.wait(timeout=30)
         server.stop()
     (workdir / "report.json").write_text(json.dumps(log.report(), indent=2))
     print_table(log.rows())
+    for line in log.rollout_log() if args.real_chain else []:
+        print(f"rehearse: rollout {line['task']}: {line['outcome']}, reward {line['reward']}, trial "
+              f"{Path(line['trial']).name if line['trial'] else '-'} {'kept' if line['trial_kept'] else 'removed'}")
     counts = log.report()["rollouts"] or {}
     print(f"rehearse: rollouts {counts.get('rollouts')} finished, {counts.get('scored')} scored "
           f"({counts.get('timed_out')} timed out), unscorable {counts.get('unscorable')}")

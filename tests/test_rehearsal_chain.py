@@ -1,0 +1,95 @@
+"""The rehearsal on the real rollout chain (issue 25 item 4): `rehearse.py --real-chain` runs train_lora.train() (TRL's
+AsyncGRPOTrainer and HarnessRolloutWorker, the session factory train_lora builds from ENV_URL) with every rollout
+through `openenv harbor serve` -> Harbor's Trial in the bubblewrap sandbox -> the real OpenCode -> the task's own
+verifier, as tests/test_chain.py runs that chain. The policy double plays right, wrong or no answer per rollout, so
+every group has contrast. Two starts in one workdir, as a relaunched job lives them: killed right after checkpoint-1
+is pushed, then resumed there for step 2. Kept to what the claim needs (2 steps, one group in flight): a real
+rollout takes 10-28 s on an idle machine. Runs where test_chain runs (envserver.require).
+"""
+
+from __future__ import annotations
+
+import json
+import signal
+import sys
+from pathlib import Path
+
+import torch
+from chain import envserver
+from safetensors.torch import load_file
+
+import adapter_repo
+import prepare_tasks
+import rollout_guard
+
+envserver.require()
+
+sys.path.insert(0, str(Path(__file__).resolve().parent / "rehearsal"))
+from rehearse import ADAPTER_REPO, CHAIN_GROUP, REHEARSAL_RATIO_BAND, run_apart  # noqa: E402
+
+START_TIMEOUT_S = 420  # one start: servers, trainer, a group of 8 real rollouts (and the next in flight), a step
+
+
+def by_start(report: dict, lines: list[dict], data: Path) -> dict[int, list[float]]:
+    """The verifier rewards of the rollouts of each group's task that this start trained, by the group's position in
+    the trained order (the task list's order, repeated)."""
+    names = [row["name"] for row in prepare_tasks.load_list(data, "train")]
+    trained = report["trained_groups"][str(max(int(step) for step in report["trained_groups"]))]
+    positions = [trained["start"] + group for group in trained["groups"]]
+    return {at: [line["reward"] for line in lines if line["task"] == names[at % len(names)]] for at in positions}
+
+
+def check_rollouts(lines: list[dict], workdir: Path) -> None:
+    """Every finished rollout is listed with its task, reward, outcome and trial folder; a scored one's is removed."""
+    served = {p.name for p in (workdir / "fixture" / "tasks" / "train" / "tasks").iterdir()}
+    assert lines
+    for line in lines:
+        assert line["task"] in served, line
+        assert line["outcome"] in ("scored", "timed_out", *rollout_guard.FAILURE_CLASSES), line
+        assert Path(line["trial"]).parent == workdir / "chain" / "trials", line
+        assert line["trial_kept"] == Path(line["trial"]).is_dir(), line
+        if line["outcome"] == "scored":
+            assert line["reward"] in (0.0, 1.0) and not line["trial_kept"], line
+
+
+def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_2(tmp_path):
+    workdir = tmp_path / "rehearsal"
+    repo = workdir / "hub" / ADAPTER_REPO
+    data = workdir / "fixture" / "data"
+    steps = {"MAX_STEPS": "2", "SAVE_STEPS": "1"}
+    try:
+        first = run_apart(workdir, "--real-chain", "--crash-after-checkpoint", "1", env=steps,
+                          timeout=START_TIMEOUT_S)
+        assert first.returncode == -signal.SIGKILL, first.stdout[-3000:]
+        report = json.loads((workdir / "report.json").read_text())
+        assert report["resumed_from"] is None and [row["step"] for row in report["steps"]] == [1]
+        lines = report["rollout_log"]
+        check_rollouts(lines, workdir)
+        first_groups = by_start(report, lines, data)
+        assert first_groups and all(len(r) >= CHAIN_GROUP for r in first_groups.values()), first_groups
+        assert any({0.0, 1.0} <= set(r) for r in first_groups.values()), first_groups  # a group with contrast
+        checkpoint_1 = load_file(repo / "checkpoint-1" / "adapter_model.safetensors")
+        position = json.loads((repo / "checkpoint-1" / "rollout_state.json").read_text())
+
+        second = run_apart(workdir, "--real-chain", env=steps, timeout=START_TIMEOUT_S)
+        assert second.returncode == 0, second.stdout[-3000:]
+        report = json.loads((workdir / "report.json").read_text())
+        assert report["resumed_from"] == 1 and [row["step"] for row in report["steps"]] == [2]
+        assert report["heartbeats"] == [2]
+        trained = report["trained_groups"]["2"]
+        assert trained["start"] == position["prompt_index"]  # the resumed start begins at checkpoint-1's position
+        assert not set(trained["groups"]) & set(position["consumed_ahead"])
+        later = report["rollout_log"][len(lines):]
+        check_rollouts(later, workdir)
+        second_groups = by_start(report, later, data)
+        assert not set(second_groups) & set(first_groups)  # nothing trained before is trained again
+        assert any({0.0, 1.0} <= set(r) for r in second_groups.values()), second_groups
+        low, high = REHEARSAL_RATIO_BAND
+        state = json.loads((repo / "checkpoint-2" / "trainer_state.json").read_text())
+        ratios = [entry["ratio"] for entry in state["log_history"] if "ratio" in entry]
+        assert len(ratios) == 2 and all(low < ratio < high for ratio in ratios), ratios  # both starts' steps
+        assert (repo / "checkpoint-2" / adapter_repo.COMPLETE_MARKER).is_file()
+        final = load_file(repo / "adapter_model.safetensors")
+        assert any(not torch.equal(final[k], checkpoint_1[k]) for k in final)  # step 2 moved the adapter
+    finally:
+        envserver.unmount_leftovers(workdir / "chain" / "sandboxes")  # a failed start's overlays
