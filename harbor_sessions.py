@@ -33,7 +33,7 @@ import recipe
 # verifier still graded the workspace, so the rollout is trained as timed out rather than dropped.
 AGENT_TIMEOUT_TYPES = ("AgentTimeoutError",)
 # Harbor's exceptions for a verifier that ran after the agent and produced no reward (harbor/verifier/verifier.py,
-# harbor/trial/errors.py): the agent's rollout is whole, only its grade is missing (rollout_guard's "verifier").
+# harbor/trial/errors.py): the agent's rollout is whole, only its grade is missing (train_rollouts' "verifier").
 VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "DownloadVerifierDirError",
                           "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
 

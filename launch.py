@@ -76,13 +76,13 @@ JOB_KNOBS: dict[str, tuple[str, ...]] = {
 
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "weight_sync.py",
-                                                "rollout_guard.py", "run_metrics.py", "model_cards.py",
-                                                "resume_position.py"),
+    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
+                                                "train_rollouts.py", "train_metrics.py", "model_cards.py",
+                                                "train_resume.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "weight_sync.py",
-                                                "rollout_guard.py", "run_metrics.py", "model_cards.py",
-                                                "resume_position.py", "smoke_report.py"),
+    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
+                                                "train_rollouts.py", "train_metrics.py", "model_cards.py",
+                                                "train_resume.py", "smoke_report.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": None},  # the smoke plan's cap (smoke_timeout)
     "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
                    "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},

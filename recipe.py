@@ -178,7 +178,7 @@ ENV_PORT = 8001  # Env server task API, loopback only.
 VLLM_PORT = 8100  # vLLM, loopback only: its dev endpoints are unauthenticated.
 LOOPBACK = "127.0.0.1"
 # Stall watchdog (run_job.sh). Progress = an optimizer step or, while the trainer waits for rollouts, a finished
-# rollout (rollout_guard.refresh_heartbeat). Every rollout call ends, done or failed, within OpenEnv's Harbor client
+# rollout (train_rollouts.refresh_heartbeat). Every rollout call ends, done or failed, within OpenEnv's Harbor client
 # message timeout (openenv/harbor/client.py, 1800 s: sandbox boot, agent and grading); a session's create() and the
 # task API time out after 120 s (HarborEnv's HTTP client); TRL fails the run itself if its rollout child is not up
 # within 300 s (child_ready_timeout). Rollout slots are refilled at once, so on a healthy run the next rollout ends
@@ -213,7 +213,7 @@ SANDBOX_IDLE_TIMEOUT_S = AGENT_TIMEOUT_SEC + ROLLOUT_SETUP_BUDGET_S + SANDBOX_ID
 # one's is kept for diagnosis, newest first, up to this many MB of kept folders (about 750 at the average size).
 # Disk budget of the trials folder: this plus the folders of the rollouts in flight (at most ENV_MAX_SESSIONS).
 FAILED_TRIALS_KEEP_MB = 2048
-# Rollout guard (rollout_guard.py): an infrastructure failure costs one rollout (unscorable, counted); these stop
+# Rollout guard (train_rollouts.py): an infrastructure failure costs one rollout (unscorable, counted); these stop
 # the job. A streak of one whole wave of in-flight rollouts (MAX_INFLIGHT_ROLLOUTS, 32): at even a 25% independent
 # failure rate 32 in a row has probability 0.25**32 ~ 5e-20, so a streak
 # means a shared cause (env server, vLLM, sandboxes or the capture path down), and it is seen within one wave.
@@ -257,7 +257,7 @@ CONFLICT_BACKOFF_S = 5.0
 # 2 s, doubled (2+4+8+16 s), instead of rebuilding at once against the same stale answer.
 CAS_BACKOFF_S = 2.0
 
-# Trainer weight-sync modes (weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
+# Trainer weight-sync modes (train_weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
 WEIGHT_SYNC_MODES = ("merge_free", "stock")
 # --- Dashboard -----------------------------------------------------------------
 # Where training and eval metrics go (env REPORT_TO per run): Trackio or none. Not TensorBoard: the job installs no
@@ -337,7 +337,7 @@ SMOKE_MAX_FORK = 0.05
 #   idle timeout (SANDBOX_IDLE_TIMEOUT_S).
 
 # --- Files every script writes ------------------------------------------------
-# TRL 1.15's resume position in every checkpoint folder ({prompt_index, model_version}), and the key resume_position.py
+# TRL 1.15's resume position in every checkpoint folder ({prompt_index, model_version}), and the key train_resume.py
 # adds to it: the offsets past prompt_index of the groups already consumed, which a resumed start skips.
 ROLLOUT_STATE = "rollout_state.json"
 CONSUMED_AHEAD = "consumed_ahead"
@@ -350,9 +350,9 @@ CONSUMED_AHEAD = "consumed_ahead"
 HEARTBEAT_NAME = "heartbeat"
 # Every trainer start and every logged step's metrics (train_callbacks.RunLog): one file across a resume.
 TRAIN_LOG_NAME = "train_log.json"
-# The rollout counts of the trainer start running now (rollout_guard.Ledger): each start's rollout child begins anew.
+# The rollout counts of the trainer start running now (train_rollouts.Ledger): each start's rollout child begins anew.
 LEDGER_NAME = "rollouts.json"
-# One JSON line per finished rollout (rollout_guard.Ledger), beside the ledger and appended across starts: which task
+# One JSON line per finished rollout (train_rollouts.Ledger), beside the ledger and appended across starts: which task
 # ended how, and where its Harbor trial folder is (kept only for a failed rollout): what the counts cannot say when
 # diagnosing a run. ~300 bytes a rollout: ~5 MB for the recipe's ~16k rollouts. A line: task, outcome ("scored",
 # "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), error, trial,

@@ -7,7 +7,7 @@
 The smoke run (run_job.sh MODE=smoke, `launch.py smoke`) is the user's one cheap contact with vLLM, HF Jobs' proxy,
 HF Sandboxes and the Hub before a 72-hour job: every stage of the real job at small scale. The report reads what the
 job left behind, never its log text: the stage times run_job.sh records, train_log.json (TRL's logged metrics per
-step, every trainer start), rollouts.json (rollout_guard's counts), the checkpoints downloaded back from the Hub
+step, every trainer start), rollouts.json (train_rollouts' counts), the checkpoints downloaded back from the Hub
 (adapter_repo's verified download: marker, sizes), the eval results in the repo, and the installed versions.
 """
 
@@ -189,7 +189,7 @@ def ratio_band(expect: dict[str, Any]) -> tuple[float, float]:
 
 def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
     """Steps, step time, importance ratio, sync time and fused tensors from train_log.json: TRL's metrics and
-    run_metrics' (`ratio/sample_min|max`, the per-sample range; TRL's step mean `ratio` where those are missing)."""
+    train_metrics' (`ratio/sample_min|max`, the per-sample range; TRL's step mean `ratio` where those are missing)."""
     logs = [e for e in (train_log or {}).get("logs", []) if "loss" in e or "ratio" in e]
     low, high = _values(logs, "ratio/sample_min"), _values(logs, "ratio/sample_max")
     if not (low and high):
@@ -348,7 +348,7 @@ def limits(expect: dict[str, Any]) -> dict[str, float]:
 
 def resume_position(report: dict[str, Any], at: int) -> list[str]:
     """The second start must begin past every group the first consumed: checkpoint-`at`'s rollout_state.json skips the
-    groups below its prompt_index and those in its consumed_ahead (resume_position.py), at least as many as the first
+    groups below its prompt_index and those in its consumed_ahead (train_resume.py), at least as many as the first
     start trained or dropped."""
     entry = next((c for c in report["checkpoints"] if c["step"] == at), None)
     index = entry and entry.get("prompt_index")
@@ -477,7 +477,7 @@ def render(report: dict[str, Any]) -> str:
 
 
 def setup_line(timing: dict[str, Any] | None) -> str:
-    """The rollouts' setup (rollout_guard's timing): the slowest whole setup against its budget, the slowest parts."""
+    """The rollouts' setup (train_rollouts' timing): the slowest whole setup against its budget, the slowest parts."""
     slowest = (timing or {}).get("max") or {}
     if not (timing or {}).get("count") or sandbox_lifecycle.SETUP_KEY not in slowest:
         return "  setup per rollout: not measured"
@@ -532,7 +532,7 @@ def clear(api: Any, repo_id: str, cap_s: int | None = None) -> int:
 
 
 def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """rollout_guard's counts summed over trainer starts (each start's rollout child begins a new ledger)."""
+    """train_rollouts' counts summed over trainer starts (each start's rollout child begins a new ledger)."""
     if not ledgers:
         return None
     total: dict[str, Any] = {k: sum(d.get(k) or 0 for d in ledgers)

@@ -38,7 +38,7 @@ class CheckpointPusher(TrainerCallback):
 class Heartbeat(TrainerCallback):
     """Rewrites `<step> <time>` after every optimizer step; run_job.sh's watchdog fails the job when it goes stale.
 
-    While the trainer waits for rollouts, rollout_guard.refresh_heartbeat moves the file's mtime to the last
+    While the trainer waits for rollouts, train_rollouts.refresh_heartbeat moves the file's mtime to the last
     finished rollout too. Each step also logs the rollout counts from the ledger beside it (recipe.LEDGER_NAME).
     """
 
@@ -54,9 +54,9 @@ class Heartbeat(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         self.beat(state.global_step)
-        import rollout_guard
+        import train_rollouts
 
-        counts = rollout_guard.read_ledger(recipe.work_file(self.path, recipe.LEDGER_NAME))
+        counts = train_rollouts.read_ledger(recipe.work_file(self.path, recipe.LEDGER_NAME))
         if counts:
             logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
                         counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],

@@ -344,12 +344,12 @@ def rollout_worker(
 ) -> HarnessRolloutWorker:
     """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none).
 
-    Its sessions go through rollout_guard (per-rollout failures unscorable and counted, systematic ones stop the
+    Its sessions go through train_rollouts (per-rollout failures unscorable and counted, systematic ones stop the
     job), and while the trainer waits on it for samples, finished rollouts count as progress for the watchdog. Its
-    run_metrics base marks each trained sample whose rollout forked.
+    train_metrics base marks each trained sample whose rollout forked.
     """
-    import rollout_guard
-    from resume_position import PositionedRolloutWorker
+    import train_rollouts
+    from train_resume import PositionedRolloutWorker
 
     ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
 
@@ -357,7 +357,7 @@ def rollout_worker(
         def check_health(self, stale_after_s: float) -> None:
             """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
             super().check_health(stale_after_s)
-            rollout_guard.refresh_heartbeat(settings.heartbeat_file, ledger)
+            train_rollouts.refresh_heartbeat(settings.heartbeat_file, ledger)
 
     args = grpo_config(settings)
     return ProgressWorker(
@@ -378,7 +378,7 @@ def rollout_worker(
         repetition_penalty=args.repetition_penalty,
         request_timeout=args.request_timeout,
         max_tool_calling_iterations=args.max_tool_calling_iterations,
-        harness_session_factory=rollout_guard.guarded(factory, ledger),
+        harness_session_factory=train_rollouts.guarded(factory, ledger),
         rollout_reward_fn=reward,
     )
 
@@ -416,10 +416,10 @@ def build_trainer(
     resumed_from: int | None = None,
 ) -> AsyncGRPOTrainer:
     """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC): worker, LoRA, heartbeat, checkpoint push, metrics."""
-    import resume_position
-    import run_metrics
     import train_callbacks
-    import weight_sync
+    import train_metrics
+    import train_resume
+    import train_weight_sync
 
     recipe.check_versions()
     check_device(settings)
@@ -427,7 +427,7 @@ def build_trainer(
     dataset = train_dataset(factory, settings.task_data)
     tokenizer = load_tokenizer(settings)
     worker = rollout_worker(settings, tokenizer, dataset, factory)
-    trainer_cls = resume_position.positioned(weight_sync.trainer_class(settings.weight_sync))
+    trainer_cls = train_resume.positioned(train_weight_sync.trainer_class(settings.weight_sync))
     callbacks = [
         train_callbacks.Heartbeat(settings.heartbeat_file),
         train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
@@ -445,7 +445,7 @@ def build_trainer(
         rollout_worker=worker,
         weight_transfer=weight_transfer,
     )
-    run_metrics.attach(trainer, recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
+    train_metrics.attach(trainer, recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
     return trainer
 
 
@@ -456,7 +456,7 @@ def train(
     training repo's model card) to its root; not when STOP_AFTER_STEP ended the run early (a later start resumes).
     A start whose newest checkpoint is at or past MAX_STEPS trains nothing (see finish_trained_run); a final adapter
     already at the root is never replaced by another."""
-    import run_metrics
+    import train_metrics
 
     recipe.check_versions()
     check_device(settings)
@@ -488,7 +488,7 @@ def train(
         return
     final_dir = Path(settings.output_dir) / "final"
     trainer.save_model(str(final_dir))
-    push_final_adapter(api, settings, final_dir, trainer.state.global_step, run_metrics.dashboard_url(trainer))
+    push_final_adapter(api, settings, final_dir, trainer.state.global_step, train_metrics.dashboard_url(trainer))
 
 
 def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int, dashboard_url: str | None) -> None:
@@ -583,9 +583,9 @@ def run(dry_run: bool) -> None:
 
 def systematic_stop(settings: Settings, since: float) -> str | None:
     """The rollout guard's one-line verdict if it stopped this run (TRL re-raises it wrapped in RuntimeErrors)."""
-    import rollout_guard
+    import train_rollouts
 
-    ledger = rollout_guard.read_ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
+    ledger = train_rollouts.read_ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
     return ledger.get("stopped") if ledger and ledger["started"] >= since else None
 
 

@@ -1,7 +1,7 @@
 """Rollout pipeline benchmark: of the rollouts TRL 1.15 finishes, how many it trains and how many it drops as stale.
 
 Runs the recipe's own trainer on CPU: train_lora.build_trainer (TRL's AsyncGRPOTrainer with the merge-free sync,
-run_metrics.RecipeRolloutWorker = TRL's HarnessRolloutWorker in a spawned child, rollout_guard, RunLog) on the tiny
+train_metrics.RecipeRolloutWorker = TRL's HarnessRolloutWorker in a spawned child, train_rollouts, RunLog) on the tiny
 LFM2 of tests/tiny_lfm2.py. TRL's own code decides everything measured here: a group's policy version is stamped when
 its first rollout is dispatched (`_generate_loop`), a group is queued once all 8 rollouts are done, the trainer drops
 a sample more than `max_staleness` versions old (`RolloutQueueDataset`, counted as `sample/dropped_stale_total`),
@@ -54,7 +54,7 @@ from sessions import ScriptedAgentSession, ScriptedAgentSessionFactory  # noqa: 
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 
 import recipe  # noqa: E402
-from run_metrics import DROPPED_STALE  # noqa: E402
+from train_metrics import DROPPED_STALE  # noqa: E402
 
 RECIPE_STEP_S = (35, 50)  # The recipe text's seconds per optimizer step once the rollout queue saturates.
 STEP_S = sum(RECIPE_STEP_S) / 2
@@ -266,7 +266,7 @@ class Row:
     steps: int = 0  # steps in the saturated window
     trained: float = 0.0  # samples trained in the window
     dropped: float = 0.0  # samples dropped stale in the window (TRL's sample/dropped_stale_total)
-    finished: float = 0.0  # rollouts finished over the whole run (run_metrics' rollout/finished_total)
+    finished: float = 0.0  # rollouts finished over the whole run (train_metrics' rollout/finished_total)
     forked: float = 0.0  # of which their capture forked (rollout/forked_total)
     idle: float = math.nan
     minutes_per_step: float = math.nan

@@ -55,7 +55,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import (  # noqa: E402
 from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import recipe  # noqa: E402
-import weight_sync  # noqa: E402
+import train_weight_sync  # noqa: E402
 from train_lora import conv_safe_batching, lora_config, lora_param_count  # noqa: E402
 
 # LFM2-2.6B as read off its public ONNX export (FACTS.md); --config replaces it with a real config.json.
@@ -205,7 +205,7 @@ def lora_model(config: Lfm2Config, device: torch.device, dtype: torch.dtype, see
 
 
 def wrapped_base_weights(model: torch.nn.Module) -> list[torch.Tensor]:
-    return [layer.get_base_layer().weight for layer in weight_sync.lora_layers_by_weight(model).values()]
+    return [layer.get_base_layer().weight for layer in train_weight_sync.lora_layers_by_weight(model).values()]
 
 
 # --- 1. Adapter size -----------------------------------------------------------------------------------------------
@@ -269,7 +269,7 @@ def stock_phases(model: torch.nn.Module, device: torch.device, sent: torch.dtype
 
 
 def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device, args: argparse.Namespace) -> None:
-    sent = weight_sync.send_dtype()
+    sent = train_weight_sync.send_dtype()
     params = [p for _, p in _iter_vllm_named_params(model)]
     n_all = sum(p.numel() for p in params)
     n_wrapped = sum(w.numel() for w in wrapped_base_weights(model))
@@ -300,7 +300,7 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
             f"{med['total'] / floor_ms:.1f}x floor",
         )
 
-    plan_ms = time_ms(lambda: weight_sync.sync_plan(model), torch.device("cpu"), args.repeats, 1)
+    plan_ms = time_ms(lambda: train_weight_sync.sync_plan(model), torch.device("cpu"), args.repeats, 1)
     table.add(
         "8",
         "CPU walk of TRL's named params (per sync if not cached)",
@@ -308,13 +308,13 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
         "",
         "the merge-free trainer builds this plan once and reuses it",
     )
-    plan = weight_sync.sync_plan(model)
+    plan = train_weight_sync.sync_plan(model)
     largest = max(w.numel() for w in wrapped_base_weights(model))
     largest_any = max(p.numel() for p in params)
     for label, fused in merge_free_variants(model, sent, device):
 
-        def merge_free(fused: weight_sync.FusedMerge | None = fused) -> None:
-            for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
+        def merge_free(fused: train_weight_sync.FusedMerge | None = fused) -> None:
+            for _, tensor in train_weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
                 del tensor
 
         if device.type == "cuda":
@@ -353,27 +353,28 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
 
 
 def checked_fused(model: torch.nn.Module, sent: torch.dtype, device: torch.device,
-                  plan: list[weight_sync.PlanEntry] | None = None) -> weight_sync.FusedMerge | None:  # fmt: skip
+                  plan: list[train_weight_sync.PlanEntry] | None = None
+                  ) -> train_weight_sync.FusedMerge | None:  # fmt: skip
     """A FusedMerge past its one-time check (the trainer's first sync), as the trainer holds it from then on."""
-    fused = weight_sync.fused_merge_for(device)
+    fused = train_weight_sync.fused_merge_for(device)
     if fused is not None:
-        for _, tensor in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
+        for _, tensor in train_weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
             del tensor
     return fused
 
 
 def merge_free_variants(
     model: torch.nn.Module, sent: torch.dtype, device: torch.device
-) -> list[tuple[str, weight_sync.FusedMerge | None]]:
+) -> list[tuple[str, train_weight_sync.FusedMerge | None]]:
     """The shipped stream (fused kernel once checked, on a GPU with Triton) and cuBLAS's path it falls back to."""
-    variants: list[tuple[str, weight_sync.FusedMerge | None]] = [("cuBLAS B @ A + torch.add into bf16", None)]
+    variants: list[tuple[str, train_weight_sync.FusedMerge | None]] = [("cuBLAS B @ A + torch.add into bf16", None)]
     fused = checked_fused(model, sent, device)
     if fused is not None:
         variants.insert(0, (f"shipped: fused Triton merge-cast ({fused.summary()})", fused))
     return variants
 
 
-def check_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, plan: list[weight_sync.PlanEntry],
+def check_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, plan: list[train_weight_sync.PlanEntry],
                device: torch.device, args: argparse.Namespace) -> None:  # fmt: skip
     """The one-time cost: the trainer's first sync with a nonzero B runs both paths and compares them."""
     times = time_ms(lambda: checked_fused(model, sent, device, plan), device, max(3, args.repeats // 4), 1)
@@ -396,20 +397,21 @@ def kernel_rows(
     table: Table, model: torch.nn.Module, device: torch.device, args: argparse.Namespace, bandwidth: float
 ) -> None:
     """GPU time of each per-tensor step on a weight 8x the largest FFN weight, so launch overhead is negligible."""
-    layer = max(weight_sync.lora_layers_by_weight(model).values(), key=lambda m: m.get_base_layer().weight.numel())
+    layers = train_weight_sync.lora_layers_by_weight(model).values()
+    layer = max(layers, key=lambda m: m.get_base_layer().weight.numel())
     lora_a, lora_b = layer.lora_A["default"].weight.detach(), layer.lora_B["default"].weight.detach()
     lora_b = lora_b.repeat(8, 1)
     weight = torch.randn(lora_b.shape[0], lora_a.shape[1], device=device)
     delta = lora_b @ lora_a
-    out = torch.empty(weight.shape, dtype=weight_sync.send_dtype(), device=device)
+    out = torch.empty(weight.shape, dtype=train_weight_sync.send_dtype(), device=device)
     n = weight.numel()
     steps = {
         "B @ A (fp32 temp)": (lambda: torch.mm(lora_b, lora_a), 4 * n),
-        "torch.add (W, temp -> bf16)": (lambda: weight_sync.add_into(weight, delta, 2.0, out), 10 * n),
+        "torch.add (W, temp -> bf16)": (lambda: train_weight_sync.add_into(weight, delta, 2.0, out), 10 * n),
         "W.to(bf16) (copy reference)": (lambda: out.copy_(weight), 6 * n),
     }
-    if weight_sync.triton is not None:
-        fused = (lambda: weight_sync.merge_cast(weight, lora_a, lora_b, 2.0, out), 6 * n)
+    if train_weight_sync.triton is not None:
+        fused = (lambda: train_weight_sync.merge_cast(weight, lora_a, lora_b, 2.0, out), 6 * n)
         steps["shipped: fused merge-cast (W, A, B -> bf16)"] = fused
     for label, (fn, nbytes) in steps.items():
         med = statistics.median(time_ms(fn, device, args.repeats, args.warmup))
@@ -431,7 +433,7 @@ def exactness_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, devi
         model.unmerge_adapter()
     for label, fused in merge_free_variants(model, sent, device):
         base = [p.detach().clone() for _, p in _iter_vllm_named_params(model)]
-        free = list(weight_sync.merge_free_named_tensors(model, sent, fused=fused))
+        free = list(train_weight_sync.merge_free_named_tensors(model, sent, fused=fused))
         unchanged = all(torch.equal(b, p) for b, (_, p) in zip(base, _iter_vllm_named_params(model), strict=True))
         del base
         names_equal = [n for n, _ in free] == [n for n, _ in stock]
@@ -690,18 +692,18 @@ def bit_mismatches(expected: list[torch.Tensor], received: list[torch.Tensor]) -
     return tensors, elements
 
 
-def trainer_stream(model: torch.nn.Module, variant: str, plan: list[weight_sync.PlanEntry],
-                   fused: weight_sync.FusedMerge | None) -> Iterator[torch.Tensor]:  # fmt: skip
+def trainer_stream(model: torch.nn.Module, variant: str, plan: list[train_weight_sync.PlanEntry],
+                   fused: train_weight_sync.FusedMerge | None) -> Iterator[torch.Tensor]:  # fmt: skip
     """What the trainer puts on the wire, tensor by tensor, in TRL's order (the model is merged for stock)."""
-    sent = weight_sync.send_dtype()
+    sent = train_weight_sync.send_dtype()
     if variant == NCCL_VARIANTS[2]:
-        return (t for _, t in weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused))
+        return (t for _, t in train_weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused))
     cast = variant == NCCL_VARIANTS[1]
     return (p.detach().to(sent) if cast else p.detach() for _, p in _iter_vllm_named_params(model))
 
 
-def trainer_sync(model: torch.nn.Module, variant: str, plan: list[weight_sync.PlanEntry], buckets: list[range],
-                 device: torch.device, fused: weight_sync.FusedMerge | None) -> dict[str, float]:  # fmt: skip
+def trainer_sync(model: torch.nn.Module, variant: str, plan: list[train_weight_sync.PlanEntry], buckets: list[range],
+                 device: torch.device, fused: train_weight_sync.FusedMerge | None) -> dict[str, float]:  # fmt: skip
     """One sync on rank 0, phase by phase (ms): merge, transfer until the receiver has copied everything, unmerge."""
     stock = variant != NCCL_VARIANTS[2]
     rendezvous(device)
@@ -771,7 +773,7 @@ def device_names() -> str:
 def manifests(model: torch.nn.Module) -> dict[str, list[tuple[str, list[int], torch.dtype]]]:
     """The receive manifest per variant, as TRL builds weight_update_info: names and shapes in TRL's order."""
     named = [(n, list(p.shape), p.dtype) for n, p in _iter_vllm_named_params(model)]
-    sent = weight_sync.send_dtype()
+    sent = train_weight_sync.send_dtype()
     return {v: named if v == NCCL_VARIANTS[0] else [(n, s, sent) for n, s, _ in named] for v in NCCL_VARIANTS}
 
 
@@ -783,10 +785,10 @@ def nccl_trainer(args: argparse.Namespace, device: torch.device) -> Table:
     """Rank 0: time every (variant, bucket size), then check the receiver's weights bit for bit after each."""
     table = Table()
     model = lora_model(model_config(args), device, getattr(torch, recipe.TRAINER_DTYPE))
-    plan = weight_sync.sync_plan(model)
+    plan = train_weight_sync.sync_plan(model)
     specs = manifests(model)
     dist.broadcast_object_list([specs], src=0)  # TRL hands vLLM this manifest over HTTP before the first sync
-    sent = weight_sync.send_dtype()
+    sent = train_weight_sync.send_dtype()
     fused = checked_fused(model, sent, device)  # the merge-free variant as the trainer runs it after its first sync
     model.merge_adapter()
     try:  # what vLLM must hold after any sync: the merged weights, rounded to bf16

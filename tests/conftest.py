@@ -32,10 +32,9 @@ for name in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 # Measured with `--durations=0` on a 2-core machine; the rest keep their collection order after these.
-SLOWEST_FIRST = ("test_rehearsal_chain", "test_chain", "test_chain_public", "test_rehearsal", "test_run_job",
-                 "test_eval_adapter",
+SLOWEST_FIRST = ("test_rehearsal_chain", "test_chain", "test_rehearsal", "test_run_job", "test_eval_adapter",
                  "test_benchmark_tiny", "test_train_lora", "test_servers", "test_vllm_cpu", "test_eval_watch",
-                 "test_weight_sync", "test_launch")
+                 "test_train_weight_sync", "test_launch")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

@@ -162,7 +162,7 @@ class FaultySession(FakeSession):
         return VerifyResult(env_reward=self.result.reward, done=True)
 
 
-# How each fault shows, and the rollout_guard class it must be counted under (None: scored). Beyond these,
+# How each fault shows, and the train_rollouts class it must be counted under (None: scored). Beyond these,
 # "timeout_verifier": an agent that timed out, then a verifier that wrote no reward (timed out and unscorable).
 FAULTS = {"create": "create", "sandbox": "rollout", "agent_crash": "rollout", "capture": "capture",
           "empty_trace": "empty_trace", "verifier": "verifier", "timeout": None}

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 import dashboard
-import run_metrics
+import train_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,10 +40,10 @@ def test_every_logged_step_carries_the_stale_drop_count_and_the_fork_fraction(be
 
     steps = bench.warmup_steps(16, 0) + 3
     assert [entry["step"] for entry in logs] == list(range(1, steps + 1)) and len(clock.ends) == steps
-    drops = [entry.get(run_metrics.DROPPED_STALE) for entry in logs]
+    drops = [entry.get(train_metrics.DROPPED_STALE) for entry in logs]
     assert None not in drops, drops  # on every step, 0 where TRL dropped nothing
     assert 0.0 in drops and sum(drops) >= 8, drops  # step 1 trains fresh samples; stale ones are counted later
-    assert [entry.get(run_metrics.FORKED_FRAC) for entry in logs] == [1.0] * steps
+    assert [entry.get(train_metrics.FORKED_FRAC) for entry in logs] == [1.0] * steps
     assert all(entry["batch/samples_per_step"] == 8 for entry in logs)
     # TRL's own rate, forks per turn transition, on the steps whose window saw a rollout finish.
     assert {entry["rollout/fork_frac"] for entry in logs if "rollout/fork_frac" in entry} == {1.0}
@@ -51,5 +51,5 @@ def test_every_logged_step_carries_the_stale_drop_count_and_the_fork_fraction(be
     project = dashboard.project(bench.ADAPTER_REPO)
     (run,) = SQLiteStorage.get_runs(project)
     rows = [row for row in SQLiteStorage.get_logs(project, run) if "train/loss" in row]
-    assert [row[f"train/{run_metrics.DROPPED_STALE}"] for row in rows] == drops
-    assert [row[f"train/{run_metrics.FORKED_FRAC}"] for row in rows] == [1.0] * steps
+    assert [row[f"train/{train_metrics.DROPPED_STALE}"] for row in rows] == drops
+    assert [row[f"train/{train_metrics.FORKED_FRAC}"] for row in rows] == [1.0] * steps

@@ -1,7 +1,7 @@
 """The trainer-side benchmark runs end to end on a tiny Lfm2 on CPU, so the H200 script cannot rot.
 
 It drives the same code paths as the full-size run (TRL's merge, packer, batchers and loss; PEFT's
-adapter save; weight_sync's stream), only smaller; on CPU the fused log-prob head is the test suite's
+adapter save; train_weight_sync's stream), only smaller; on CPU the fused log-prob head is the test suite's
 plain-torch stand-in (tests/trl_cpu_shims.py).
 """
 

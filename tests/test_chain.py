@@ -1,6 +1,11 @@
 """The real rollout chain: `openenv harbor serve` (openenv 0.10.0) -> Harbor 0.25's Trial -> the OpenCode 1.18.33
 binary -> the capture proxy -> the task's own tests/test.sh + grader.py, driven through harbor_sessions.py (the
-session client the trainer and the eval use) and rollout_guard.
+session client the trainer and the eval use) and train_rollouts.
+
+The env server runs on the public path, as the job runs it: serve_env.sh (unchanged) with SPACE_HOST at a loopback
+TLS front that strips `Authorization` as the HF Jobs proxy does (tests/chain/tls_front.py), so every OpenCode in a
+trial reaches the capture proxy at https://$SPACE_HOST/capture through capture_gateway.py, its session only as the
+`x-api-key` seam_patch.py adds; the image trusts the front's CA through one more overlay layer.
 
 Only the remote pieces are stood in for (tests/chain/): the HF Sandbox (bubblewrap + overlayfs over the image root
 setup.sh builds, registered in the env server's process for `hf-sandbox`), the data bucket (loopback HTTP) and vLLM
@@ -14,12 +19,15 @@ from __future__ import annotations
 
 import functools
 import json
+import socket
+import ssl
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 from chain import envserver
+from stubs import jobs_proxy_double
 
 import recipe
 
@@ -50,31 +58,31 @@ class Chain:
         return functools.partial(harbor_sessions.HarborSessionFactory, self.env_url, **kwargs)
 
     def rollouts(self, plan: list[str], ledger: Path, **overrides) -> tuple[list[tuple], dict]:
-        """One rollout per entry of `plan` (task names), all at once, through rollout_guard as TRL's worker runs
+        """One rollout per entry of `plan` (task names), all at once, through train_rollouts as TRL's worker runs
         them (create, wait, trace, verify, close); returns [(task, session, trace or the failure, reward)] and the
         ledger."""
-        import rollout_guard
+        import train_rollouts
 
         factory = self.factory(**overrides)
-        guarded = rollout_guard.guarded(factory, ledger)(sampling=factory.keywords["sampling"])
+        guarded = train_rollouts.guarded(factory, ledger)(sampling=factory.keywords["sampling"])
         prompts = {r["task_name"]: r["prompt"] for r in guarded.prompt_rows()}
 
         def one(task: str) -> tuple:
             try:
                 session = guarded.create(prompts[task])
-            except rollout_guard.RolloutFailure as error:
+            except train_rollouts.RolloutFailure as error:
                 return task, None, error, None
             try:
                 try:
                     session.wait_for_completion()
                 except TimeoutError:
                     pass  # TRL trains the captured turns, flagged timed out
-                except rollout_guard.RolloutFailure as error:
+                except train_rollouts.RolloutFailure as error:
                     return task, session, error, None  # TRL scores it unscorable
                 try:
                     trace = session.fetch_training_trace()
                     reward = session.verify([]).env_reward
-                except rollout_guard.RolloutFailure as error:
+                except train_rollouts.RolloutFailure as error:
                     trace, reward = error, None
                 return task, session, trace, reward
             finally:
@@ -82,7 +90,7 @@ class Chain:
 
         with ThreadPoolExecutor(max_workers=len(plan)) as pool:
             out = list(pool.map(one, plan))
-        return out, rollout_guard.read_ledger(ledger)
+        return out, train_rollouts.read_ledger(ledger)
 
 
 @pytest.fixture(scope="module")
@@ -96,13 +104,13 @@ def chain(tmp_path_factory):
     tasks = materialized(root, n_medium=5, n_hard=4, n_test=1)
     names = sorted(p.name for p in (tasks / "train" / "tasks").iterdir())
     bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": b"x\n4.0\n4.4\n"} for name in names})
-    model_dir = save_tiny_model(root / "model")
+    model_dir = save_tiny_model(root / "model", vocab_size=envserver.CHAIN_VOCAB)
     modes = {names[0]: ["right", "wrong", "none", "malformed", "right", "wrong", "right", "none"],  # the group
              **{name: ["right"] for name in names[1:8]}, names[8]: ["loop"]}
     policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=envserver.POLICY_MAX_MODEL_LEN,
                           script=Script(modes, RIGHT, WRONG))
     policy.start()
-    server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url)
+    server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url, public=True)
     chain = Chain(root, tasks, policy, bucket, server)
     try:
         server.start()
@@ -118,6 +126,7 @@ def played(chain, tmp_path_factory):
     """One GRPO group: NUM_GENERATIONS rollouts of one task at once, the policy playing a different agent in each
     (right, wrong, no answer, malformed tool call)."""
     plan = [chain.names[0]] * recipe.NUM_GENERATIONS
+    seen = len(jobs_proxy_double.FORWARDED)
     start = time.monotonic()
     # The client finds the server's trial folders by openenv's rule, as in the job (one environment for both).
     with pytest.MonkeyPatch.context() as patch:
@@ -129,7 +138,7 @@ def played(chain, tmp_path_factory):
         print(f"chain rollout {task}: {kind(session)}, reward {reward}, {getattr(result, 'wall_s', None)} s, "
               f"error {getattr(result, 'error', None)}")
     print(f"chain: a group of {len(plan)} concurrent rollouts in {wall:.0f} s")
-    return {"out": out, "ledger": ledger, "wall": wall}
+    return {"out": out, "ledger": ledger, "wall": wall, "forwarded": jobs_proxy_double.FORWARDED[seen:]}
 
 
 def kind(session) -> str:
@@ -155,7 +164,7 @@ def check_trace(chain, session, trace, agent_turns: int) -> None:
     the tokens its tokenizer makes, and TRL chains it into one clean sequence."""
     import torch
 
-    import rollout_guard
+    import train_rollouts
 
     result = session.result
     assert result.rollout_type == "train" and result.ok, result.error
@@ -166,7 +175,8 @@ def check_trace(chain, session, trace, agent_turns: int) -> None:
     for turn in trace.turns:
         assert turn.loss_mask == [0] * len(turn.prompt_token_ids) + [1] * len(turn.completion_token_ids)
         assert turn.completion_token_ids[-1] == eos
-    assert len(rollout_guard._trl_capture(trace).sequences) == 1  # each prompt extends the previous prompt + completion
+    # Each prompt extends the previous prompt + completion.
+    assert len(train_rollouts._trl_capture(trace).sequences) == 1
     # The served model scored afresh, no cache, in one pass over the last turn: it holds every earlier turn.
     last = trace.turns[-1]
     sequence = list(last.prompt_token_ids) + list(last.completion_token_ids)
@@ -218,7 +228,35 @@ def test_a_concurrent_group_of_eight_is_scored_with_contrast(chain, played):
     assert timing["count"] == recipe.NUM_GENERATIONS and 0 < timing["max"]["setup_s"] < recipe.ROLLOUT_SETUP_BUDGET_S
 
 
-# --- Faults: each rollout ends as its class in rollout_guard's ledger -----------------------------------------------
+# --- The public path: the sandboxes reach the capture proxy as the job's do ---------------------------------------
+CAPTURE_CALL = "/capture/v1/chat/completions"
+
+
+def test_the_public_host_answers_over_tls_with_a_certificate_only_the_test_ca_vouches_for(chain):
+    server = chain.server
+
+    def health(context: ssl.SSLContext) -> bytes:
+        with socket.create_connection((server.address, 443), timeout=10) as raw, \
+                context.wrap_socket(raw, server_hostname=server.host) as tls:
+            tls.sendall(f"GET /capture/health HTTP/1.1\r\nHost: {server.host}\r\nConnection: close\r\n\r\n".encode())
+            return tls.recv(64)
+
+    assert health(ssl.create_default_context(cafile=str(server.certs.ca))).startswith(b"HTTP/1.1 200")
+    with pytest.raises(ssl.SSLCertVerificationError):  # no public root vouches for it: the image must trust the CA
+        health(ssl.create_default_context())
+
+
+def test_every_model_call_reached_the_gateway_through_the_front_as_x_api_key_alone(played):
+    calls = [headers for method, path, headers in played["forwarded"] if method == "POST" and path == CAPTURE_CALL]
+    assert calls and all("authorization" not in headers for headers in calls)  # the front cut every Bearer ...
+    for _, session, _, _ in played["out"]:  # ... and each session's calls (its title call too) carried its key
+        key = session.result.session_id
+        assert [h.get("x-api-key") for h in calls].count(key) == session.result.n_turns
+        assert f"Bearer {key}" in jobs_proxy_double.DROPPED  # OpenCode did send the Bearer (apiKey = the session)
+    assert len(calls) == sum(session.result.n_turns for _, session, _, _ in played["out"])
+
+
+# --- Faults: each rollout ends as its class in train_rollouts' ledger -----------------------------------------------
 def test_an_env_server_restart_fails_the_rollout_in_flight_as_a_rollout_failure(chain, tmp_path):
     import threading
 
@@ -232,8 +270,7 @@ def test_an_env_server_restart_fails_the_rollout_in_flight_as_a_rollout_failure(
     while not (set(trials.iterdir()) - before if trials.exists() else set()):  # the rollout's trial has begun
         assert time.monotonic() < deadline and worker.is_alive()
         time.sleep(0.5)
-    chain.server.process.kill()  # the env server dies mid-rollout (OOM, a crash), and comes back
-    chain.server.process.wait()
+    chain.server.kill()  # the env server dies mid-rollout (OOM, a crash), and comes back
     chain.server.start(wait=False)
     worker.join(timeout=300)
     (_, session, _, reward), = result["out"]

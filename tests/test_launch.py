@@ -41,9 +41,9 @@ EXPECTED = {
 }
 SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
-           "train_callbacks.py", "weight_sync.py", "rollout_guard.py", "run_eval_watch.sh", "eval_watch.py",
+           "train_callbacks.py", "train_weight_sync.py", "train_rollouts.py", "run_eval_watch.sh", "eval_watch.py",
            "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
-           "run_metrics.py", "model_cards.py", "smoke_report.py", "resume_position.py", "chat_template.py",
+           "train_metrics.py", "model_cards.py", "smoke_report.py", "train_resume.py", "chat_template.py",
            "sandbox_lifecycle.py", "harbor_sessions.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 

@@ -21,6 +21,9 @@ import still runs the same code, only later), `import x` and `from x import y` a
 from __future__ import annotations
 
 import ast
+import fnmatch
+import re
+import subprocess
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -35,11 +38,11 @@ LAYOUT: dict[str, tuple[int, str | None]] = {
     "harbor_sessions": (SHARED, None),
     "model_cards": (SHARED, None),
     "sandbox_lifecycle": (SHARED, None),
-    "resume_position": (SUPPORT, "train_lora"),
-    "rollout_guard": (SUPPORT, "train_lora"),
-    "run_metrics": (SUPPORT, "train_lora"),
+    "train_resume": (SUPPORT, "train_lora"),
+    "train_rollouts": (SUPPORT, "train_lora"),
+    "train_metrics": (SUPPORT, "train_lora"),
     "train_callbacks": (SUPPORT, "train_lora"),
-    "weight_sync": (SUPPORT, "train_lora"),
+    "train_weight_sync": (SUPPORT, "train_lora"),
     "capture_gateway": (ENTRY, None),
     "eval_adapter": (ENTRY, None),
     "eval_watch": (ENTRY, None),
@@ -112,3 +115,27 @@ def test_the_imports_close_no_circle():
     for name in sorted(graph):
         visit(name, [])
     assert circles == [], "\n".join(" -> ".join(circle) for circle in circles)
+
+
+def test_a_support_module_is_named_for_the_entry_point_it_serves():
+    """A reader of the flat folder sees which script a support module belongs to (train_lora -> train_*.py)."""
+    misnamed = [f"{name}.py supports {owner}.py" for name, (floor, owner) in LAYOUT.items()
+                if owner is not None and not name.startswith(owner.split("_")[0] + "_")]
+    assert misnamed == [], misnamed
+
+
+def readme_file_table() -> list[str]:
+    """The names in the first column of the README's `## Files` table, as written (globs and folders included)."""
+    section = (ROOT / "README.md").read_text().split("\n## Files\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"^\| `([^`]+)` \|", section, re.M)
+
+
+def test_the_readme_file_table_names_every_top_level_file_and_folder_once():
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout.split()
+    top = {path.split("/")[0] + ("/" if "/" in path else "") for path in tracked}
+    top -= {"README.md", ".gitignore", ".ci/"}  # the page itself and the repository's own plumbing
+    named = readme_file_table()
+    assert len(named) == len(set(named)), sorted(n for n in named if named.count(n) > 1)
+    covered = {entry for entry in top if any(fnmatch.fnmatchcase(entry, pattern) for pattern in named)}
+    assert sorted(top - covered) == [], "name each in README.md's file table, one line each"
+    assert [p for p in named if not any(fnmatch.fnmatchcase(entry, p) for entry in top)] == [], "gone from the repo"

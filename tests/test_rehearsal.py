@@ -35,7 +35,7 @@ import dashboard
 import recipe
 import smoke_report
 import train_lora
-import weight_sync
+import train_weight_sync
 
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 sys.path.insert(0, str(REHEARSAL))
@@ -220,10 +220,10 @@ def test_sync_check_catches_unmerged_weights_and_passes_merge_free(model_dir: Pa
                                   state=SimpleNamespace(global_step=7))
         transfer = InProcessWeightTransfer(policy)
         transfer.trainer = trainer
-        dtype = weight_sync.send_dtype()
+        dtype = train_weight_sync.send_dtype()
 
         transfer.pause()
-        transfer.send_weights(weight_sync.merge_free_named_tensors(peft_model, dtype))
+        transfer.send_weights(train_weight_sync.merge_free_named_tensors(peft_model, dtype))
         transfer.resume()
         transfer.pause()
         unmerged = ((n, p.detach().to(dtype)) for n, p in _iter_vllm_named_params(peft_model))
@@ -271,7 +271,7 @@ def run_rehearsal(workdir: Path, *extra: str, timeout: int = 280) -> subprocess.
     return run_apart(workdir, *extra, env={"MAX_STEPS": "3", "SAVE_STEPS": "2"}, timeout=timeout)
 
 
-# What `--faults all` injects (sessions.FAULTS, one rollout each), as rollout_guard counts it: unscorable by class.
+# What `--faults all` injects (sessions.FAULTS, one rollout each), as train_rollouts counts it: unscorable by class.
 # The eighth, the timed-out agent, is counted under `timed_out` instead: its captured turn is still trained.
 FAULT_COUNTS = {"create": 1, "rollout": 2, "capture": 1, "empty_trace": 2, "verifier": 1}
 
@@ -384,7 +384,7 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     return counts
 
 
-# Beyond TRL's own: the recipe's counts (run_metrics), the ratio range, the merge-free sync's fused tensors.
+# Beyond TRL's own: the recipe's counts (train_metrics), the ratio range, the merge-free sync's fused tensors.
 RECIPE_METRICS = ("rollout/finished_total", "rollout/unscorable_total", "rollout/timed_out_total",
                   "rollout/forked_total", "rollout/tool_calls_mean", "ratio/sample_min", "ratio/sample_max",
                   "perf/weight_sync_fused_tensors")
@@ -394,7 +394,7 @@ TRL_METRICS = ("loss", "reward", "ratio", "kl", "perf/weight_sync_s", "perf/step
 
 def assert_trackio_logged_three_steps(run: str, ledger: dict) -> None:
     """Read the rehearsal's metrics back from Trackio's local storage (TRACKIO_DIR, set in conftest.py): both
-    starts log to one run; the dashboard's rollout counts must agree with rollout_guard's ledgers (`ledger`, both
+    starts log to one run; the dashboard's rollout counts must agree with train_rollouts' ledgers (`ledger`, both
     starts' counts together)."""
     from trackio.sqlite_storage import SQLiteStorage
 

@@ -20,7 +20,7 @@ from safetensors.torch import load_file
 
 import adapter_repo
 import prepare_tasks
-import rollout_guard
+import train_rollouts
 
 envserver.require()
 
@@ -45,7 +45,7 @@ def check_rollouts(lines: list[dict], workdir: Path) -> None:
     assert lines
     for line in lines:
         assert line["task"] in served, line
-        assert line["outcome"] in ("scored", "timed_out", *rollout_guard.FAILURE_CLASSES), line
+        assert line["outcome"] in ("scored", "timed_out", *train_rollouts.FAILURE_CLASSES), line
         assert Path(line["trial"]).parent == workdir / "chain" / "trials", line
         assert line["trial_kept"] == Path(line["trial"]).is_dir(), line
         if line["outcome"] == "scored":

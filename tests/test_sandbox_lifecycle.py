@@ -34,9 +34,9 @@ from stubs import upstream_double
 from stubs.procs import free_port, start, stop, wait_http
 
 import recipe
-import rollout_guard
 import sandbox_lifecycle
 import seam_patch
+import train_rollouts
 
 ROOT = Path(__file__).resolve().parents[1]
 # Harbor's trial imports LiteLLM, which otherwise fetches its model cost map from GitHub (no network here).
@@ -280,7 +280,7 @@ def test_the_ledger_keeps_the_count_and_the_slowest_of_each_part_and_of_setup(tm
     slow_start = sandbox_lifecycle.trial_timing(write_result(
         tmp_path / "slow", environment_setup=span(0, 90), agent_setup=span(91, 95), agent_execution=span(95, 100),
         verifier=span(100, 101)))
-    ledger = rollout_guard.Ledger(tmp_path / "rollouts.json")
+    ledger = train_rollouts.Ledger(tmp_path / "rollouts.json")
     assert ledger.state["timing"] == {"count": 0, "max": {}}
     ledger.record(None, timing=fast)
     ledger.record("rollout", "exit code 1", timing=slow_start)
@@ -292,7 +292,7 @@ def test_the_ledger_keeps_the_count_and_the_slowest_of_each_part_and_of_setup(tm
 
 
 def test_the_ledger_refuses_a_timing_part_it_does_not_know(tmp_path):
-    ledger = rollout_guard.Ledger(tmp_path / "rollouts.json")
+    ledger = train_rollouts.Ledger(tmp_path / "rollouts.json")
     with pytest.raises(ValueError, match="sandbox_boot_s"):
         ledger.record(None, timing={"sandbox_boot_s": 1.0})
     assert ledger.state["rollouts"] == 0

@@ -306,7 +306,7 @@ def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
 
 # --- a verdict that cannot lie ----------------------------------------------------------------------------------
 def interleaved_ledger(rollouts: int, unscorable: int) -> dict:
-    """rollout_guard's counts after `unscorable` of `rollouts` failed, interleaved with scored ones: no streak of
+    """train_rollouts' counts after `unscorable` of `rollouts` failed, interleaved with scored ones: no streak of
     ROLLOUT_ABORT_STREAK and a ROLLOUT_WINDOW that never fills, so the guard itself never stops the run."""
     ledger = {**LEDGER, "rollouts": rollouts, "scored": rollouts - unscorable, "unscorable_total": unscorable,
               "unscorable": {"create": unscorable - 10, "rollout": 0, "capture": 10, "empty_trace": 0,
@@ -374,7 +374,7 @@ def test_a_resume_position_behind_what_the_first_start_consumed_is_no_go(hub, tm
     report = report_for(hub, tmp_path)
     assert report["reasons"] == ["resume position skips 0 groups (checkpoint-2's rollout_state.json), fewer than the "
                                  "2 the first start consumed: a relaunch would train them again"]
-    # resume_position.py's form: group 0 was in flight at the stop (redone), groups 1 and 2 are skipped.
+    # train_resume.py's form: group 0 was in flight at the stop (redone), groups 1 and 2 are skipped.
     push_checkpoint(hub, tmp_path / "again", 2, {"prompt_index": 0, "model_version": 2, recipe.CONSUMED_AHEAD: [1, 2]})
     assert report_for(hub, tmp_path / "b")["verdict"] == "GO"
     # Stale-dropped groups count as consumed too: 8 dropped samples in step 2 are one more group.

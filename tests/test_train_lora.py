@@ -257,7 +257,7 @@ def test_dry_run_prints_the_resolved_config_without_secrets_side_effects_or_down
            "PYTHONPATH": str(ROOT), **BASE_ENV, "MAX_STEPS": "20", "CAPTURE_URL": "https://abc--8000.hf.jobs/capture"}
     # The dry run imports none of the training stack (about 10 s of CPU), and loads or writes nothing.
     code = ("import sys, train_lora; code = train_lora.main(['--dry-run']); loaded = [m for m in ('openenv', "
-            "'torch', 'transformers', 'peft', 'trl', 'weight_sync', 'train_callbacks') if m in sys.modules]; "
+            "'torch', 'transformers', 'peft', 'trl', 'train_weight_sync', 'train_callbacks') if m in sys.modules]; "
             "print('LOADED', loaded, file=sys.stderr); sys.exit(code)")
     result = subprocess.run([sys.executable, "-c", code], cwd=cwd, env=env, capture_output=True, text=True,
                             timeout=120)
@@ -290,7 +290,7 @@ def built(model_dir, tmp_path_factory):
 def test_real_trainer_and_config_from_the_builders(built):
     settings, trainer = built
     args = trainer.args
-    assert type(trainer).__name__ == "MergeFreeAsyncGRPOTrainer"  # WEIGHT_SYNC=merge_free via weight_sync.py
+    assert type(trainer).__name__ == "MergeFreeAsyncGRPOTrainer"  # WEIGHT_SYNC=merge_free via train_weight_sync.py
     assert trainer.model.base_model.model.dtype == torch.float32  # Frozen base kept in fp32 (no merge drift).
     assert (args.learning_rate, args.max_steps, args.save_steps) == (
         recipe.LEARNING_RATE, recipe.MAX_STEPS, recipe.SAVE_STEPS)

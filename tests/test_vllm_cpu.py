@@ -60,9 +60,17 @@ def vllm_argvs(script: str, **env: str) -> list[list[str]]:
 
 
 def readme_argvs() -> list[list[str]]:
-    """The `vllm serve ...` commands README.md tells users to run."""
+    """The `vllm serve ...` commands README.md tells users to run, each `--chat-template F` written first as the
+    README says (`chat_template.py F`), into a folder of its own (F is relative: the user's working directory)."""
     text = (ROOT / "README.md").read_text()
-    return [shlex.split(m) for m in re.findall(r"`(vllm serve [^`]+)`", text)]
+    argvs = [shlex.split(m) for m in re.findall(r"`(vllm serve [^`]+)`", text)]
+    for words in argvs:
+        if "--chat-template" in words:
+            at = words.index("--chat-template") + 1
+            assert f"chat_template.py {words[at]}" in text, "README must say how to write the template it serves"
+            words[at] = str(Path(tempfile.mkdtemp(prefix="readme-template-")) / words[at])
+            subprocess.run([sys.executable, str(ROOT / "chat_template.py"), words[at]], check=True, timeout=120)
+    return argvs
 
 
 @pytest.fixture(scope="module")

@@ -22,7 +22,7 @@ what cannot exist on a CPU machine is substituted, each piece under tests/:
     GPU kernels           -> tests/trl_cpu_shims.py: sdpa attention, torch log-probs, no vLLM import check
 
 Prints a step table (reward mean, loss, importance-ratio mean, sync ms) and writes it to WORKDIR/report.json, with
-every finished rollout (rollout_guard's rollout log: task, verifier reward, outcome, Harbor trial folder and whether
+every finished rollout (train_rollouts' rollout log: task, verifier reward, outcome, Harbor trial folder and whether
 it was kept).
 Exits 1 if any sync left the server's weights different from the trainer's merged weights. With --smoke-report it
 ends as the smoke job does: smoke_report.py reads what the run left (train_log.json, rollouts.json, the checkpoints
@@ -55,7 +55,7 @@ sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
 import httpx  # noqa: E402
 from chain.bucket import Bucket  # noqa: E402
-from chain.envserver import POLICY_MAX_MODEL_LEN, EnvServer, missing  # noqa: E402
+from chain.envserver import CHAIN_VOCAB, POLICY_MAX_MODEL_LEN, EnvServer, missing  # noqa: E402
 from fake_sessions import write_task_list  # noqa: E402
 from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
@@ -68,9 +68,9 @@ from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 import adapter_repo  # noqa: E402
 import recipe  # noqa: E402
-import rollout_guard  # noqa: E402
 import smoke_report  # noqa: E402
 import train_lora  # noqa: E402
+import train_rollouts  # noqa: E402
 
 ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
 # Not a credential: train_lora requires HF_TOKEN to be set, and LocalHub ignores it.
@@ -149,7 +149,7 @@ class StepLog(TrainerCallback):
                 "rollouts": self.rollout_counts(), "rollout_log": self.rollout_log(), "trained_groups": self.trained}
 
     def rollout_log(self) -> list[dict[str, Any]]:
-        """Every finished rollout of every start in this workdir, as the guard logged it (rollout_guard)."""
+        """Every finished rollout of every start in this workdir, as the guard logged it (train_rollouts)."""
         log = recipe.work_file(self.heartbeat_file, recipe.ROLLOUT_LOG_NAME)
         return [json.loads(line) for line in log.read_text().splitlines()] if log.is_file() else []
 
@@ -172,7 +172,7 @@ class CrashingHub(LocalHub):
         self.proxy, self.ledger, self.faults = proxy, ledger, faults
 
     def faults_counted(self) -> bool:
-        counts = rollout_guard.read_ledger(self.ledger)
+        counts = train_rollouts.read_ledger(self.ledger)
         return bool(counts) and counts["unscorable_total"] + counts["timed_out"] >= self.faults
 
     def create_commit(self, repo_id: str, operations: list[object], **kwargs: Any) -> Any:
@@ -307,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = workdir / "model"
     if not (model_dir / "config.json").is_file():
-        save_tiny_model(model_dir)
+        save_tiny_model(model_dir, vocab_size=CHAIN_VOCAB if args.real_chain else None)
     if args.real_chain:
         tasks, task_data, names = chain_tasks(workdir)
         server = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype=recipe.SERVE_DTYPE,

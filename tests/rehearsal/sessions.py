@@ -180,7 +180,7 @@ class ScriptedAgentSession(ResourceSession):
 
         Empty once the session is closed (the trainer stopping mid-rollout): nothing captured survives.
         A refusal by the proxy (409: the capture breaks the training contract; 404: it lost the session) raises
-        ValueError, which bare TRL turns into a CaptureContractError that stops training; rollout_guard makes
+        ValueError, which bare TRL turns into a CaptureContractError that stops training; train_rollouts makes
         it one unscorable rollout.
         """
         response = http().get(f"{self.capture_url}/sessions/{self.session_id}/trace_entries", timeout=60)

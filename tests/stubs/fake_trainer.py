@@ -5,7 +5,7 @@ ok (default): writes this start's rollout ledger ({output_dir}) next to HEARTBEA
 stall: starts a grandchild `sleep`, touches the heartbeat once and hangs. crash: exits 7 with a traceback.
 slow_first_step: a healthy run whose first step takes 3 x STALL_SECONDS: rollouts keep finishing (the rollout
   child rewrites rollouts.json next to the heartbeat) while the trainer waits for samples and calls the real
-  rollout_guard.refresh_heartbeat, as train_lora's worker does from TRL's check_health; then it steps and exits 0.
+  train_rollouts.refresh_heartbeat, as train_lora's worker does from TRL's check_health; then it steps and exits 0.
 wedged: rollouts keep finishing but the trainer is stuck (never waits, never steps): must be killed.
 """
 
@@ -54,7 +54,7 @@ def rollouts_finishing(heartbeat: Path, waiting: bool, seconds: float) -> None:
     heartbeat.write_text(f"0 {time.time():.0f}\n")  # train_lora.Heartbeat at train begin
     ledger = recipe.work_file(heartbeat, recipe.LEDGER_NAME)
     try:
-        from rollout_guard import refresh_heartbeat
+        from train_rollouts import refresh_heartbeat
     except ImportError:  # a bundle without the guard: the trainer's waiting is invisible to the watchdog
         refresh_heartbeat = None
     print("waiting for the first group of rollouts", flush=True)

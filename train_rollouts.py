@@ -15,7 +15,7 @@ swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT
 ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
 
 The ledger is the run's one rollout counter: the trainer (another process) logs its growth each step as the
-dashboard's rollout counts (LedgerGrowth, through run_metrics.RolloutCounts); the heartbeat's log line and the
+dashboard's rollout counts (LedgerGrowth, through train_metrics.RolloutCounts); the heartbeat's log line and the
 smoke report read it too.
 """
 

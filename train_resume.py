@@ -32,7 +32,7 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker,
 
 import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
-from run_metrics import RecipeRolloutLoop, RecipeRolloutWorker
+from train_metrics import RecipeRolloutLoop, RecipeRolloutWorker
 
 EMPTY_GROUPS_FILE = "empty_groups.json"  # in the output folder: groups of this start that scored to no sample
 
@@ -43,7 +43,7 @@ class SeamShapeError(RuntimeError):
 
 def _require(condition: bool, what: str) -> None:
     if not condition:
-        raise SeamShapeError(f"TRL's async GRPO no longer {what}: resume_position.py needs updating for this TRL")
+        raise SeamShapeError(f"TRL's async GRPO no longer {what}: train_resume.py needs updating for this TRL")
 
 
 def check_trl_shape() -> None:
@@ -69,7 +69,7 @@ def next_position(start: int, consumed: Iterable[int]) -> dict[str, Any]:
 
 
 class PositionedRolloutLoop(RecipeRolloutLoop):
-    """The recipe's rollout loop (run_metrics), resuming after every consumed group and reporting empty ones."""
+    """The recipe's rollout loop (train_metrics), resuming after every consumed group and reporting empty ones."""
 
     def __init__(self, *, consumed_ahead: Iterable[int] = (), empty_groups_file: str = "",
                  dataset_start_index: int = 0, **kwargs: Any) -> None:
@@ -138,7 +138,7 @@ class ResumePosition:
                  "keeps the worker's dataset_start_index in _loop_kwargs")
         if not issubclass(worker._loop_cls, PositionedRolloutLoop):
             raise TypeError(f"{type(worker).__name__} runs {worker._loop_cls.__name__}; the resume position needs "
-                            "resume_position.PositionedRolloutLoop (use PositionedRolloutWorker)")
+                            "train_resume.PositionedRolloutLoop (use PositionedRolloutWorker)")
         return True
 
     def begin_start(self, resume_from_checkpoint: str | None) -> None:

@@ -1,4 +1,4 @@
-"""The resume position moves past every group already consumed (resume_position.py), on TRL 1.15's own pieces.
+"""The resume position moves past every group already consumed (train_resume.py), on TRL 1.15's own pieces.
 
 One start, as the trainer and its rollout child live it: group 0 is all unscorable (the child scores it to no
 sample), group 1 is trained, group 3 arrives too old and is dropped as stale, group 4 finishes before group 2 (out of
@@ -21,8 +21,8 @@ from trl.experimental.async_grpo.async_grpo_trainer import RolloutQueueDataset
 from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, RolloutSample
 
 import recipe
-import resume_position
 import train_lora
+import train_resume
 from tests.fake_sessions import FakeSessionFactory, fake_task_list
 from tests.hub_double import LocalHub
 from tests.tiny_lfm2 import save_tiny_model
@@ -45,7 +45,7 @@ def trainer(tmp_path_factory):
                                        weight_transfer=NullWeightTransfer(), api=LocalHub(tmp / "hub"))
 
 
-def child_loop(trainer, **kwargs) -> resume_position.PositionedRolloutLoop:
+def child_loop(trainer, **kwargs) -> train_resume.PositionedRolloutLoop:
     """The rollout child's loop, built in this process from what the worker would send the spawned child."""
     ctx = multiprocessing.get_context("spawn")
     loop_kwargs = {**trainer.rollout_worker._loop_kwargs, **kwargs}
@@ -71,9 +71,9 @@ def sample(group_id: int, model_version: int) -> RolloutSample:
 
 
 def test_a_relaunch_starts_after_every_consumed_group_and_redoes_only_those_in_flight(trainer, tmp_path):
-    assert type(trainer).__name__ == "MergeFreeAsyncGRPOTrainer" and isinstance(trainer, resume_position.ResumePosition)
+    assert type(trainer).__name__ == "MergeFreeAsyncGRPOTrainer" and isinstance(trainer, train_resume.ResumePosition)
     worker = trainer.rollout_worker
-    assert worker._loop_cls is resume_position.PositionedRolloutLoop
+    assert worker._loop_cls is train_resume.PositionedRolloutLoop
 
     # First start, from scratch: the child's loop hands out groups 0, 1, 2, ... in the list's order.
     trainer.begin_start(None)
@@ -92,7 +92,7 @@ def test_a_relaunch_starts_after_every_consumed_group_and_redoes_only_those_in_f
     rollouts = queue.Queue()
     for group_id, version in ((1, 5), (3, 0), (4, 6)):
         rollouts.put(sample(group_id, version))
-    recording = resume_position._RecordingQueue(rollouts, trainer._taken)
+    recording = train_resume._RecordingQueue(rollouts, trainer._taken)
     dataset = RolloutQueueDataset(recording, model_version_fn=lambda: 6, check_health_fn=lambda _: None,
                                   stale_after_s=60, metrics=defaultdict(list), max_staleness=4)
     delivered = iter(dataset)

@@ -23,7 +23,7 @@ from tiny_lfm2 import tiny_model
 from trl.experimental.async_grpo.async_grpo_trainer import AsyncGRPOTrainer, _iter_vllm_named_params
 
 import recipe
-import weight_sync
+import train_weight_sync
 from train_lora import lora_config
 
 SENT = getattr(torch, recipe.SERVE_DTYPE)
@@ -87,7 +87,7 @@ def trainer_for(cls: type[AsyncGRPOTrainer], model, transfer=None, worker=None):
     trainer.model_version = 0
     trainer._lora_sync = False
     trainer._metrics = defaultdict(lambda: defaultdict(list))
-    trainer.sync_dtype = weight_sync.send_dtype()
+    trainer.sync_dtype = train_weight_sync.send_dtype()
     trainer._sync_plan = None
     trainer._fused = None  # what MergeFreeAsyncGRPOTrainer picks on a CPU device
     return trainer
@@ -116,7 +116,7 @@ def test_merge_free_stream_equals_stock_merge_bit_for_bit(dtype, lora_alpha):
     model = peft_lfm2(dtype, lora_alpha)
     base = snapshot(model)
 
-    free = trainer_for(weight_sync.MergeFreeAsyncGRPOTrainer, model)
+    free = trainer_for(train_weight_sync.MergeFreeAsyncGRPOTrainer, model)
     free._sync_weight()
     assert_bit_identical(base, model)  # merge-free never writes the base (nor the adapter)
 
@@ -141,7 +141,7 @@ def test_merge_free_stream_equals_stock_merge_bit_for_bit(dtype, lora_alpha):
 
 def test_stream_names_never_include_adapter_or_conv_wrappers():
     model = peft_lfm2()
-    names = [n for n, _ in weight_sync.merge_free_named_tensors(model, SENT)]
+    names = [n for n, _ in train_weight_sync.merge_free_named_tensors(model, SENT)]
     assert not [n for n in names if "lora_" in n or "base_layer" in n or n.startswith("base_model")]
     assert "model.layers.0.conv.out_proj.weight" in names  # conv projections are streamed plain, not wrapped
 
@@ -149,7 +149,7 @@ def test_stream_names_never_include_adapter_or_conv_wrappers():
 def test_sync_keeps_trl_pause_resume_version_and_metrics():
     model = peft_lfm2()
     worker = RecordingWorker()
-    trainer = trainer_for(weight_sync.MergeFreeAsyncGRPOTrainer, model, worker=worker)
+    trainer = trainer_for(train_weight_sync.MergeFreeAsyncGRPOTrainer, model, worker=worker)
     trainer._sync_weight()
     trainer._sync_weight()
     assert trainer.weight_transfer.calls == ["pause", "send", "resume"] * 2
@@ -162,7 +162,7 @@ def test_failed_send_raises_leaves_base_intact_and_version_unbumped():
     model = peft_lfm2()
     base = snapshot(model)
     worker = RecordingWorker()
-    trainer = trainer_for(weight_sync.MergeFreeAsyncGRPOTrainer, model, RecordingTransfer(fail_after=3), worker)
+    trainer = trainer_for(train_weight_sync.MergeFreeAsyncGRPOTrainer, model, RecordingTransfer(fail_after=3), worker)
     with pytest.raises(RuntimeError, match="NCCL broke"):
         trainer._sync_weight()
     assert_bit_identical(base, model)
@@ -172,8 +172,8 @@ def test_failed_send_raises_leaves_base_intact_and_version_unbumped():
 
 def test_manifest_describes_the_stream_in_the_sent_dtype():
     model = peft_lfm2()
-    manifest = weight_sync.send_manifest(model, SENT)
-    stream = list(weight_sync.merge_free_named_tensors(model, SENT))
+    manifest = train_weight_sync.send_manifest(model, SENT)
+    stream = list(train_weight_sync.merge_free_named_tensors(model, SENT))
     assert manifest["names"] == [n for n, _ in stream]
     assert manifest["shapes"] == [list(t.shape) for _, t in stream]
     assert manifest["dtype_names"] == [str(t.dtype).removeprefix("torch.") for _, t in stream]
@@ -188,13 +188,13 @@ def test_init_retargets_trl_client_manifest(monkeypatch):
             self.info = weight_update_info
             self.timeout = weight_sync_timeout
 
-    monkeypatch.setattr(weight_sync, "WeightTransferClient", FakeClient)
+    monkeypatch.setattr(train_weight_sync, "WeightTransferClient", FakeClient)
     model = peft_lfm2()
-    trainer = trainer_for(weight_sync.MergeFreeAsyncGRPOTrainer, model, transfer=FakeClient(None, {}, 7))
+    trainer = trainer_for(train_weight_sync.MergeFreeAsyncGRPOTrainer, model, transfer=FakeClient(None, {}, 7))
     trainer.vllm_client = None
     trainer.args = type("Args", (), {"weight_sync_timeout": 7})()
     trainer._retarget_manifest()
-    assert trainer.weight_transfer.info == weight_sync.send_manifest(model, SENT)
+    assert trainer.weight_transfer.info == train_weight_sync.send_manifest(model, SENT)
     assert trainer.weight_transfer.timeout == 7
     injected = RecordingTransfer()
     trainer.weight_transfer = injected
@@ -209,11 +209,11 @@ def test_stream_holds_one_tensor_at_a_time():
     collection, not when it is dropped, so on a GPU it would still occupy memory during the sync.
     """
     model = peft_lfm2()
-    wrapped = dict(weight_sync.lora_layers_by_weight(model))
+    wrapped = dict(train_weight_sync.lora_layers_by_weight(model))
     params = dict(_iter_vllm_named_params(model))
     previous = None
     checked = 0
-    for name, tensor in weight_sync.merge_free_named_tensors(model, SENT):
+    for name, tensor in train_weight_sync.merge_free_named_tensors(model, SENT):
         if previous is not None:
             assert previous() is None, "the stream kept a reference to an earlier tensor"
             checked += 1
@@ -223,39 +223,39 @@ def test_stream_holds_one_tensor_at_a_time():
 
 
 def test_trainer_class_modes():
-    assert weight_sync.trainer_class("stock") is AsyncGRPOTrainer
-    assert issubclass(weight_sync.trainer_class("merge_free"), AsyncGRPOTrainer)
+    assert train_weight_sync.trainer_class("stock") is AsyncGRPOTrainer
+    assert issubclass(train_weight_sync.trainer_class("merge_free"), AsyncGRPOTrainer)
     with pytest.raises(recipe.ConfigError, match="unknown weight-sync mode 'merged'.*merge_free, stock"):
-        weight_sync.trainer_class("merged")
+        train_weight_sync.trainer_class("merged")
 
 
 def test_dora_and_lora_bias_refused_before_loading():
     config = lora_config()
-    weight_sync.check_lora_config(config)
+    train_weight_sync.check_lora_config(config)
     config.use_dora = True
     with pytest.raises(recipe.ConfigError, match="DoRA.*WEIGHT_SYNC=stock"):
-        weight_sync.check_lora_config(config)
+        train_weight_sync.check_lora_config(config)
     config = lora_config()
     config.lora_bias = True
     with pytest.raises(recipe.ConfigError, match="lora_bias"):
-        weight_sync.check_lora_config(config)
+        train_weight_sync.check_lora_config(config)
 
 
 def test_plan_takes_the_one_matmul_path_exactly_for_the_recipe_adapter():
     """The bit-exactness test above covers both merge paths only if the plan really splits them like this."""
-    recipe_plan = weight_sync.sync_plan(peft_lfm2())
+    recipe_plan = train_weight_sync.sync_plan(peft_lfm2())
     wrapped = [e for e in recipe_plan if e.layer is not None]
     assert wrapped and all(e.fast is not None and e.fast[2] == 2.0 for e in wrapped)  # alpha 64 / r 32
     assert [e.name for e in recipe_plan] == [n for n, _ in _iter_vllm_named_params(peft_lfm2())]
-    assert all(e.fast is None for e in weight_sync.sync_plan(peft_lfm2(lora_alpha=48)) if e.layer is not None)
-    assert all(e.fast is None for e in weight_sync.sync_plan(peft_lfm2(torch.bfloat16)) if e.layer is not None)
+    assert all(e.fast is None for e in train_weight_sync.sync_plan(peft_lfm2(lora_alpha=48)) if e.layer is not None)
+    assert all(e.fast is None for e in train_weight_sync.sync_plan(peft_lfm2(torch.bfloat16)) if e.layer is not None)
 
 
 def test_merge_free_refuses_an_already_merged_model():
     model = peft_lfm2()
     model.merge_adapter()
     with pytest.raises(RuntimeError, match="already merged"):
-        list(weight_sync.merge_free_named_tensors(model, SENT))
+        list(train_weight_sync.merge_free_named_tensors(model, SENT))
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA streams: run on a GPU (benchmarks/LOG.md)")
@@ -272,10 +272,10 @@ def test_gpu_stream_is_bit_exact_for_a_consumer_that_switches_streams():
     ready = torch.cuda.Event()
     ready.record()
     streams = [torch.cuda.Stream(), torch.cuda.Stream()]
-    fused = weight_sync.fused_merge_for(torch.device("cuda"))
-    list(weight_sync.merge_free_named_tensors(model, SENT, fused=fused))  # the one-time check
+    fused = train_weight_sync.fused_merge_for(torch.device("cuda"))
+    list(train_weight_sync.merge_free_named_tensors(model, SENT, fused=fused))  # the one-time check
     assert fused.trusted and all(fused.trusted.values())  # so the consumer below gets the kernel's tensors
-    iterator = weight_sync.merge_free_named_tensors(model, SENT, ready=ready, fused=fused)
+    iterator = train_weight_sync.merge_free_named_tensors(model, SENT, ready=ready, fused=fused)
     sent = []
 
     def consume() -> None:  # in its own thread, as TRL's NCCL producer pulls the stream
@@ -319,14 +319,14 @@ class KernelDouble:
 
 
 class CountingAdd:
-    """weight_sync.add_into, counted: how many tensors took cuBLAS's path."""
+    """train_weight_sync.add_into, counted: how many tensors took cuBLAS's path."""
 
     def __init__(self) -> None:
         self.calls = 0
 
     def __call__(self, base, delta, alpha, out):
         self.calls += 1
-        return weight_sync.add_into(base, delta, alpha, out)
+        return train_weight_sync.add_into(base, delta, alpha, out)
 
 
 def stock_stream(model) -> list[tuple[str, torch.Tensor]]:
@@ -338,14 +338,14 @@ def stock_stream(model) -> list[tuple[str, torch.Tensor]]:
 
 
 def fused_stream(model, fused, add) -> list[tuple[str, torch.Tensor]]:
-    return [(n, t.clone()) for n, t in weight_sync.merge_free_named_tensors(model, SENT, fused=fused, add=add)]
+    return [(n, t.clone()) for n, t in train_weight_sync.merge_free_named_tensors(model, SENT, fused=fused, add=add)]
 
 
 def named_fused_stream(model, fused, add, kernel: KernelDouble) -> list[tuple[str, torch.Tensor]]:
     """Like fused_stream, but tells the kernel double which tensor it is computing."""
-    plan = weight_sync.sync_plan(model)
+    plan = train_weight_sync.sync_plan(model)
     sent = []
-    iterator = weight_sync.merge_free_named_tensors(model, SENT, plan=plan, fused=fused, add=add)
+    iterator = train_weight_sync.merge_free_named_tensors(model, SENT, plan=plan, fused=fused, add=add)
     for entry in plan:
         kernel.current = entry.name
         name, tensor = next(iterator)
@@ -371,9 +371,9 @@ def zero_lora_b(model) -> None:
 def test_fused_kernel_is_used_only_after_matching_cublas_with_a_nonzero_b():
     model = peft_lfm2()
     trained_b = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_B" in n}
-    wrapped = [e.name for e in weight_sync.sync_plan(model) if e.fast is not None]
+    wrapped = [e.name for e in train_weight_sync.sync_plan(model) if e.fast is not None]
     kernel, add = KernelDouble(), CountingAdd()
-    fused = weight_sync.FusedMerge(kernel)
+    fused = train_weight_sync.FusedMerge(kernel)
 
     zero_lora_b(model)  # as PEFT initialises it: every merge is a no-op, so nothing can be checked yet
     assert_same_stream(fused_stream(model, fused, add), stock_stream(model))
@@ -399,10 +399,10 @@ def test_trainer_sync_checks_then_uses_the_fused_kernel_and_logs_it(caplog):
     model = peft_lfm2()
     stock = trainer_for(AsyncGRPOTrainer, model)
     stock._sync_weight()
-    free = trainer_for(weight_sync.MergeFreeAsyncGRPOTrainer, model)
+    free = trainer_for(train_weight_sync.MergeFreeAsyncGRPOTrainer, model)
     kernel = KernelDouble()
-    free._fused = weight_sync.FusedMerge(kernel)
-    wrapped = sum(e.fast is not None for e in weight_sync.sync_plan(model))
+    free._fused = train_weight_sync.FusedMerge(kernel)
+    wrapped = sum(e.fast is not None for e in train_weight_sync.sync_plan(model))
     with caplog.at_level(logging.INFO):
         for _ in range(3):
             free._sync_weight()
@@ -421,10 +421,10 @@ def test_trainer_sync_checks_then_uses_the_fused_kernel_and_logs_it(caplog):
 
 def test_fused_kernel_that_differs_by_one_ulp_is_never_sent(caplog):
     model = peft_lfm2()
-    wrapped = [e.name for e in weight_sync.sync_plan(model) if e.fast is not None]
+    wrapped = [e.name for e in train_weight_sync.sync_plan(model) if e.fast is not None]
     odd = wrapped[3]
     kernel = KernelDouble(wrong_for=odd)
-    fused = weight_sync.FusedMerge(kernel)
+    fused = train_weight_sync.FusedMerge(kernel)
     with caplog.at_level(logging.WARNING):
         for _ in range(3):
             assert_same_stream(named_fused_stream(model, fused, CountingAdd(), kernel), stock_stream(model))
@@ -439,7 +439,7 @@ def test_fused_kernel_that_differs_by_one_ulp_is_never_sent(caplog):
 def test_fused_kernel_failure_leaves_the_sync_on_cublas(caplog):
     model = peft_lfm2()
     kernel, add = KernelDouble(fail=True), CountingAdd()
-    fused = weight_sync.FusedMerge(kernel)
+    fused = train_weight_sync.FusedMerge(kernel)
     with caplog.at_level(logging.WARNING):
         assert_same_stream(fused_stream(model, fused, add), stock_stream(model))
         assert_same_stream(fused_stream(model, fused, add), stock_stream(model))
@@ -451,27 +451,27 @@ def test_fused_kernel_failure_leaves_the_sync_on_cublas(caplog):
 def test_fused_kernel_takes_only_what_it_was_checked_for():
     weight, lora_a, lora_b = torch.zeros(64, 48), torch.zeros(32, 48), torch.zeros(64, 32)
     out = torch.empty(64, 48, dtype=torch.bfloat16)
-    assert weight_sync.fits_merge_cast(weight, lora_a, lora_b, out)
-    assert not weight_sync.fits_merge_cast(weight, torch.zeros(8, 48), torch.zeros(64, 8), out)  # rank < 16
-    assert not weight_sync.fits_merge_cast(weight, torch.zeros(24, 48), torch.zeros(64, 24), out)  # not 2^k
-    assert not weight_sync.fits_merge_cast(weight.bfloat16(), lora_a, lora_b, out)
-    assert not weight_sync.fits_merge_cast(weight.t(), lora_a.t().contiguous().t(), lora_b, out.t())
-    assert not weight_sync.fits_merge_cast(weight, lora_a, lora_b, torch.empty(64, 48))  # fp32 out: not a cast
-    assert weight_sync.fused_merge_for(torch.device("cpu")) is None
+    assert train_weight_sync.fits_merge_cast(weight, lora_a, lora_b, out)
+    assert not train_weight_sync.fits_merge_cast(weight, torch.zeros(8, 48), torch.zeros(64, 8), out)  # rank < 16
+    assert not train_weight_sync.fits_merge_cast(weight, torch.zeros(24, 48), torch.zeros(64, 24), out)  # not 2^k
+    assert not train_weight_sync.fits_merge_cast(weight.bfloat16(), lora_a, lora_b, out)
+    assert not train_weight_sync.fits_merge_cast(weight.t(), lora_a.t().contiguous().t(), lora_b, out.t())
+    assert not train_weight_sync.fits_merge_cast(weight, lora_a, lora_b, torch.empty(64, 48))  # fp32 out: not a cast
+    assert train_weight_sync.fused_merge_for(torch.device("cpu")) is None
 
 
 def interpreted_weight_sync(monkeypatch) -> object:
     """A second copy of weight_sync whose kernel Triton's interpreter runs: `triton.jit` reads TRITON_INTERPRET
     when the module defines the kernel, and the copy reuses this process's imports (a fresh one costs 15 s)."""
     monkeypatch.setenv("TRITON_INTERPRET", "1")
-    spec = importlib.util.spec_from_file_location("weight_sync_interpreted", weight_sync.__file__)
+    spec = importlib.util.spec_from_file_location("weight_sync_interpreted", train_weight_sync.__file__)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)  # its dataclasses look their module up while it loads
     spec.loader.exec_module(module)
     return module
 
 
-@pytest.mark.skipif(weight_sync.triton is None, reason="Triton is not installed")
+@pytest.mark.skipif(train_weight_sync.triton is None, reason="Triton is not installed")
 def test_real_kernel_in_the_triton_interpreter_merges_every_element(monkeypatch):
     """The real `merge_cast` on CPU through Triton's interpreter: tiles, masks, tails and strides.
 
@@ -497,10 +497,10 @@ def test_real_kernel_in_the_triton_interpreter_merges_every_element(monkeypatch)
 def test_gpu_fused_kernel_equals_cublas_and_stock_bit_for_bit():
     model = peft_lfm2().cuda()
     stock = stock_stream(model)
-    fused = weight_sync.fused_merge_for(torch.device("cuda"))
+    fused = train_weight_sync.fused_merge_for(torch.device("cuda"))
     add = CountingAdd()
     for _ in range(2):  # first: the check (cuBLAS's bits sent); then: the kernel's own bits
         assert_same_stream(fused_stream(model, fused, add), stock)
-    wrapped = [e.name for e in weight_sync.sync_plan(model) if e.fast is not None]
+    wrapped = [e.name for e in train_weight_sync.sync_plan(model) if e.fast is not None]
     assert fused.trusted == dict.fromkeys(wrapped, True) and not fused.broken
     assert add.calls == len(wrapped)  # the second sync never touched cuBLAS's path

@@ -1,5 +1,5 @@
-"""run_metrics.py's step metrics and Trackio callback, on TRL 1.15's metric sink and reduction (the rehearsal runs
-them live); the rollout counts are the ledger's, tested in test_rollout_guard.py."""
+"""train_metrics.py's step metrics and Trackio callback, on TRL 1.15's metric sink and reduction (the rehearsal runs
+them live); the rollout counts are the ledger's, tested in test_train_rollouts.py."""
 
 from __future__ import annotations
 
@@ -7,12 +7,12 @@ from collections import defaultdict
 
 from trl.experimental.async_grpo.async_grpo_trainer import _reduce_metric
 
-import run_metrics
+import train_metrics
 
 
 def test_ratio_range_covers_only_the_steps_own_samples():
     sink = defaultdict(list)
-    callback = run_metrics.RatioRange(sink)
+    callback = train_metrics.RatioRange(sink)
     sink["ratio"] += [1.0, 0.98, 1.03]
     callback.on_step_end(None, None, None)
     sink["ratio"] += [0.9, 1.1]  # a second step in the same logging window
@@ -36,7 +36,7 @@ def test_trackio_callback_logs_each_step_at_its_optimizer_step(tmp_path, capsys)
     args = TrainingArguments(output_dir=str(tmp_path), report_to="none", project="callback-test",
                              run_name=f"train-{tmp_path.name}", trackio_space_id=None, use_cpu=True)
     state = TrainerState(global_step=201)
-    callback = run_metrics.SafeTrackioCallback()
+    callback = train_metrics.SafeTrackioCallback()
     callback.on_train_begin(args, state, TrainerControl())
     callback.on_log(args, state, TrainerControl(), logs={"loss": 0.5, "ratio/sample_min": 0.99})
     state.global_step = 202

@@ -28,7 +28,7 @@ once the consumer moves on.
 
 Usage, in train_lora.py:
 
-    trainer = weight_sync.trainer_class(args.weight_sync)(model=..., peft_config=lora_config(), ...)
+    trainer = train_weight_sync.trainer_class(args.weight_sync)(model=..., peft_config=lora_config(), ...)
 
 with `--weight-sync {merge_free,stock}` (env WEIGHT_SYNC); "stock" is TRL's own class, unchanged.
 """
@@ -61,7 +61,8 @@ except ImportError:
     triton = None
 
 logger = get_logger(__name__)
-# The same "weight_sync" logger without accelerate's main-process filter: each rank checks the kernel on its own GPU.
+# The same "train_weight_sync" logger without accelerate's main-process filter: each rank checks the kernel on its
+# own GPU.
 rank_logger = logging.getLogger(__name__)
 
 SYNC_MODES = recipe.WEIGHT_SYNC_MODES

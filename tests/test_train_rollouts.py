@@ -172,13 +172,13 @@ def test_systematic_failure_stops_the_worker_with_one_line_naming_class_and_erro
 
 
 def test_train_lora_main_ends_a_systematic_stop_with_that_one_line(tmp_path, monkeypatch, capsys):
-    import rollout_guard
+    import train_rollouts
 
     heartbeat = tmp_path / "heartbeat"
 
     def failing_train(settings, **_):
-        guard = rollout_guard.Ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
-        with pytest.raises(rollout_guard.SystematicRolloutFailure):
+        guard = train_rollouts.Ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
+        with pytest.raises(train_rollouts.SystematicRolloutFailure):
             for _ in range(recipe.ROLLOUT_ABORT_STREAK):
                 guard.record("rollout", "exit code 1: sandbox failed to boot")
         raise RuntimeError("Rollout worker child has failed; see chained exception.")  # TRL's words
@@ -192,12 +192,12 @@ def test_train_lora_main_ends_a_systematic_stop_with_that_one_line(tmp_path, mon
 
 
 def test_guard_trips_on_a_failure_rate_over_the_window_too(tmp_path):
-    import rollout_guard
+    import train_rollouts
 
-    guard = rollout_guard.Ledger(tmp_path / "rollouts.json", streak_limit=1000, window=10, max_unscorable=0.5)
+    guard = train_rollouts.Ledger(tmp_path / "rollouts.json", streak_limit=1000, window=10, max_unscorable=0.5)
     for i in range(9):  # alternate: never a streak, 5 of 9 unscorable but the window is not full yet
         guard.record("capture" if i % 2 == 0 else None, "409 from the proxy")
-    with pytest.raises(rollout_guard.SystematicRolloutFailure, match=r"6 of the last 10 rollouts were unscorable"):
+    with pytest.raises(train_rollouts.SystematicRolloutFailure, match=r"6 of the last 10 rollouts were unscorable"):
         guard.record("capture", "409 from the proxy")
     assert json.loads((tmp_path / "rollouts.json").read_text())["stopped"].startswith("rollouts are failing")
 
@@ -213,13 +213,13 @@ def logged_step(counter, sink) -> dict:
 
 def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loop, tmp_path):
     """The guard's ledger is the one rollout counter. It is written in TRL's rollout child; the trainer's callback
-    (run_metrics.RolloutCounts) reads the file each step, so the dashboard shows the ledger's own numbers."""
-    import rollout_guard
-    import run_metrics
+    (train_metrics.RolloutCounts) reads the file each step, so the dashboard shows the ledger's own numbers."""
+    import train_metrics
+    import train_rollouts
 
     sink: dict = defaultdict(list)
     # Made before the rollout child starts, as train_lora attaches it.
-    counter = run_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    counter = train_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     plan = ("scored", "forked", "timeout", "verifier", "create")
     loop, _ = make_loop(functools.partial(PlannedSessionFactory, plan=plan))
     results = [loop._run_session(PROMPT, 0)[0] for _ in range(3)]
@@ -232,16 +232,16 @@ def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loo
     assert logged_step(counter, sink) == {  # no rollout of this step ran to a reward: no tool-call mean
         "rollout/finished_total": 2.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 0.0,
         "rollout/forked_total": 0.0}
-    assert logged_step(counter, sink) == dict.fromkeys(rollout_guard.ROLLOUT_COUNTS, 0.0)  # every step has the keys
+    assert logged_step(counter, sink) == dict.fromkeys(train_rollouts.ROLLOUT_COUNTS, 0.0)  # every step has the keys
 
 
 def test_a_timed_out_rollout_whose_verifier_wrote_no_reward_shows_as_timed_out_and_unscorable(make_loop, tmp_path):
     """The agent hit its time limit, then the verifier wrote no reward: the dashboard counts it under both, as the
     ledger (and so the smoke report) does. The old loop-side count saw only timed-out rollouts that were scored."""
-    import run_metrics
+    import train_metrics
 
     sink: dict = defaultdict(list)
-    counter = run_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    counter = train_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("timeout_verifier",)))
     assert loop._run_session(PROMPT, 0)[0][5] is None
     assert (ledger(settings)["timed_out"], ledger(settings)["unscorable"]["verifier"]) == (1, 1)
@@ -252,21 +252,21 @@ def test_a_timed_out_rollout_whose_verifier_wrote_no_reward_shows_as_timed_out_a
 def test_the_dashboard_counts_only_this_starts_ledger_and_a_restarted_ledger_from_zero(tmp_path):
     """A ledger an earlier start left in place is not this run's; a rollout child restarted in the same start begins
     a new ledger (its own `started`), counted from zero, not subtracted from the last one."""
-    import rollout_guard
-    import run_metrics
+    import train_metrics
+    import train_rollouts
 
     path = tmp_path / "rollouts.json"
-    rollout_guard.Ledger(path).record(None)
+    train_rollouts.Ledger(path).record(None)
     time.sleep(0.01)
     sink: dict = defaultdict(list)
-    counter = run_metrics.RolloutCounts(sink, path)
+    counter = train_metrics.RolloutCounts(sink, path)
     assert logged_step(counter, sink) == {}
-    current = rollout_guard.Ledger(path)
+    current = train_rollouts.Ledger(path)
     current.record(None)
     current.record("capture", "ValueError: fatal validation finding")
     assert logged_step(counter, sink)["rollout/finished_total"] == 2.0
     time.sleep(0.01)
-    rollout_guard.Ledger(path).record(None)
+    train_rollouts.Ledger(path).record(None)
     assert logged_step(counter, sink)["rollout/finished_total"] == 1.0
 
 

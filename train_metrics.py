@@ -4,12 +4,12 @@ TRL already logs, per optimizer step: `reward`, `kl`, `entropy`, `ratio` (import
 `perf/weight_sync_s`, `perf/step_s`, `sample/staleness_mean|max`, `sample/time_in_queue_s`, `rollout/fork_frac`,
 `tools/call_frequency` (groups with tool calls only), and rollout traces when Trackio is the reporter. The rollout
 counts (`rollout/finished_total`, `rollout/unscorable_total`, `rollout/timed_out_total`, `rollout/forked_total`,
-`rollout/tool_calls_mean`) are the rollout guard's ledger (rollout_guard.LedgerGrowth), logged each step by
+`rollout/tool_calls_mean`) are the rollout guard's ledger (train_rollouts.LedgerGrowth), logged each step by
 RolloutCounts. Added here:
 
 - `ratio/sample_min`, `ratio/sample_max`: the range of the per-sample importance-ratio means of the step (one
   sample per training row, see train_lora.conv_safe_batching);
-- `perf/weight_sync_fused_tensors` is logged by weight_sync.MergeFreeAsyncGRPOTrainer itself;
+- `perf/weight_sync_fused_tensors` is logged by train_weight_sync.MergeFreeAsyncGRPOTrainer itself;
 - `sample/forked_frac` (FORKED_FRAC): the share of the step's trained samples whose rollout forked;
 - `sample/dropped_stale_total` on every step: TRL logs its count of samples dropped as too stale only on steps that
   dropped one (StaleDrops adds the zero), so a step without the key is never mistaken for a step without data.
@@ -30,7 +30,7 @@ from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, Rollo
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
 
 import dashboard
-import rollout_guard
+import train_rollouts
 
 # Per sample: 1.0 if the rollout it came from forked into several training rows (lossless capture), else 0.0. TRL's
 # collator averages per-sample metrics over each micro-batch, so the step's log holds the share of its trained samples
@@ -79,7 +79,7 @@ class RolloutCounts(TrainerCallback):
 
     def __init__(self, sink: dict[str, list[Any]], ledger_file: str | Path) -> None:
         self.sink = sink  # the trainer's metric sink: `total` counters summed, the tool-call rate as (num, den)
-        self.growth = rollout_guard.LedgerGrowth(ledger_file)
+        self.growth = train_rollouts.LedgerGrowth(ledger_file)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         for metric, value in self.growth.take().items():
