@@ -1,5 +1,6 @@
 """Session-wide settings: Trackio logs into a throw-away folder and never to a Space or server; one torch thread
-per process; and the order pytest-xdist hands the modules out in (`-n 3 --dist loadscope`, set in pyproject.toml).
+per process; gradio hidden in every Python of the suite (tests/site/sitecustomize.py says why); and the order
+pytest-xdist hands the modules out in (`-n 3 --dist loadscope`, set in pyproject.toml).
 
 Trackio reads TRACKIO_DIR once, when first imported (TRL imports it with its async GRPO trainer), so it is set
 here, before any test module is collected; the rehearsal subprocesses inherit it (each xdist worker has its own).
@@ -20,8 +21,10 @@ from __future__ import annotations
 
 import atexit
 import os
+import runpy
 import shutil
 import tempfile
+from pathlib import Path
 
 import pytest
 
@@ -30,11 +33,19 @@ atexit.register(shutil.rmtree, os.environ["TRACKIO_DIR"], ignore_errors=True)
 for name in ("TRACKIO_SPACE_ID", "TRACKIO_SERVER_URL"):
     os.environ.pop(name, None)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
+# The suite's start-up rule (tests/site/sitecustomize.py: gradio hidden), here and in every Python the tests start.
+SITE = Path(__file__).resolve().parent / "site"
+runpy.run_path(str(SITE / "sitecustomize.py"))
+if str(SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist's workers inherit it
+    os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
 
-# Measured with `--durations=0` on a 2-core machine; the rest keep their collection order after these.
-SLOWEST_FIRST = ("test_rehearsal_chain", "test_chain", "test_rehearsal", "test_run_job", "test_eval_adapter",
-                 "test_benchmark_tiny", "test_train_lora", "test_servers", "test_vllm_cpu", "test_eval_watch",
-                 "test_train_weight_sync", "test_launch")
+# Measured with `--durations=0` on a 2-core machine (longest first, so no worker starts a long one near the end); the
+# rest keep their collection order after these. run_job.sh's tests are three modules: as one (286 s, mostly waiting
+# on the script's polls) it was the last module running, alone, for the suite's last two minutes.
+SLOWEST_FIRST = ("test_rehearsal_chain", "test_rehearsal", "test_chain", "test_run_job_preflight", "test_run_job",
+                 "test_eval_adapter", "test_run_job_smoke", "test_benchmark_tiny", "test_train_lora", "test_servers",
+                 "test_eval_watch", "test_chat_template", "test_vllm_cpu", "test_launch", "test_sandbox_lifecycle",
+                 "test_benchmark_pipeline", "test_train_weight_sync")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

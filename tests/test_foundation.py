@@ -141,6 +141,31 @@ def test_the_suite_keeps_each_module_on_one_worker(tmp_path: Path) -> None:
     assert all(len(w) == 1 for w in workers.values()) and workers["a"] != workers["b"], workers
 
 
+# What the bundle's processes but the env server import from OpenEnv: its own modules, the capture proxy's CLI, the
+# Harbor client the sessions run rollouts with.
+OPENENV_USERS = ("harbor_sessions", "seam_patch", "eval_adapter", "openenv.core.harness.capture.server",
+                 "openenv.harbor.rollout", "openenv.harbor.contract")
+
+
+def test_every_python_the_suite_starts_hides_gradio_and_openenv_falls_back_without_it() -> None:
+    """tests/site/sitecustomize.py's rule, as a child of the suite sees it (PYTHONPATH from conftest.py): gradio does
+    not import, and every piece of OpenEnv the bundle uses outside the env server loads with OpenEnv's own
+    web-interface fallback (None); the env server's process keeps gradio for its UI. A new OpenEnv that needed gradio
+    elsewhere would fail here, not by a test elsewhere going quiet."""
+    code = ("import importlib, sys\n"
+            f"for name in {OPENENV_USERS!r}: importlib.import_module(name)\n"
+            "from openenv.core import env_server\n"
+            "print(env_server.create_web_interface_app, sys.modules.get('gradio'))\n"
+            "import gradio\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.stdout.split() == ["None", "None"], out.stdout + out.stderr[-2000:]
+    assert out.returncode == 1 and out.stderr.strip().splitlines()[-1].startswith("ModuleNotFoundError"), out.stderr
+    # The env server serves OpenEnv's gradio UI (openenv.harbor.ui): its process keeps gradio.
+    server = subprocess.run([sys.executable, "-c", "import openenv.harbor.ui", "harbor", "serve"], cwd=ROOT,
+                            capture_output=True, text=True, timeout=120)
+    assert server.returncode == 0, server.stderr[-2000:]
+
+
 def test_ruff_is_clean() -> None:
     ruff = Path(sys.executable).with_name("ruff")
     result = subprocess.run([str(ruff), "check", "."], cwd=ROOT, capture_output=True, text=True)
