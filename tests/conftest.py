@@ -39,9 +39,9 @@ runpy.run_path(str(SITE / "sitecustomize.py"))
 if str(SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist's workers inherit it
     os.environ["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SITE), os.environ.get("PYTHONPATH")]))
 
-# Measured with `--durations=0` on a 2-core machine (longest first, so no worker starts a long one near the end); the
-# rest keep their collection order after these. run_job.sh's tests are three modules: as one (286 s, mostly waiting
-# on the script's polls) it was the last module running, alone, for the suite's last two minutes.
+# Measured with benchmarks/suite_time.py on a 2-core machine (longest first, so no worker starts a long one near the
+# end); the rest keep their collection order after these. run_job.sh's tests are three modules: as one (286 s, mostly
+# waiting on the script's polls) it was the last module running, alone, for the suite's last two minutes.
 SLOWEST_FIRST = ("test_rehearsal_chain", "test_rehearsal", "test_chain", "test_run_job_preflight", "test_run_job",
                  "test_eval_adapter", "test_run_job_smoke", "test_benchmark_tiny", "test_train_lora", "test_servers",
                  "test_eval_watch", "test_chat_template", "test_vllm_cpu", "test_launch", "test_sandbox_lifecycle",
