@@ -75,11 +75,19 @@ port_free() {
   if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then die "port $1 is already in use: stop what listens there or change the port"; fi
 }
 
-# cleanup: kills every child process group started with start_bg.
-cleanup() {
+# children_alive: true while any process group started with start_bg still has a member.
+children_alive() {
   local pid
+  for pid in "${CHILD_PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && return 0; done
+  return 1
+}
+
+# cleanup: TERMs every child process group started with start_bg, waits up to 1 s (ten 0.1 s polls) for them to
+# stop, then KILLs what is left. A script that started nothing (a refused input) exits at once.
+cleanup() {
+  local pid _
   for pid in "${CHILD_PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
-  sleep 1
+  for _ in 1 2 3 4 5 6 7 8 9 10; do children_alive || return 0; sleep 0.1; done
   for pid in "${CHILD_PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
 }
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -95,6 +96,34 @@ def test_common_sh_reads_every_knob_once_and_answers_as_recipe_py_does() -> None
     assert "unknown knob os" in out.stderr
 
 
+def test_cleanup_waits_for_children_only_as_long_as_they_take_to_stop(tmp_path: Path) -> None:
+    """cleanup TERMs every child's process group and KILLs what a grace later is left: a script that started no
+    child exits at once (a refused input is one line, not one line and a second's wait), a child that stops on TERM
+    ends the wait, and one that ignores TERM is killed when the grace is up."""
+    stubborn = "trap '' TERM; while :; do sleep 0.1; done"
+    script = f"""source common.sh
+sleep() {{ printf '%s\\n' "$1" >>"$SLEEPS"; command sleep "$1"; }}
+LOG_DIR={tmp_path}/logs
+case "$CASE" in
+  none) ;;
+  quick) start_bg quick sleep 300 ;;
+  stubborn) start_bg stubborn bash -c "{stubborn}"; command sleep 0.5 ;;
+esac
+cleanup
+command sleep 0.5  # time to be reaped: a zombie still answers kill -0
+for pid in "${{CHILD_PIDS[@]}}"; do ps -o stat= -g "$pid" | grep -qv '^Z' && echo "alive: $pid"; done
+true"""
+    slept = {}
+    for case in ("none", "quick", "stubborn"):
+        sleeps = tmp_path / f"{case}.sleeps"
+        env = {**os.environ, "PYTHON": sys.executable, "CASE": case, "SLEEPS": str(sleeps)}
+        out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0 and "alive" not in out.stdout, (case, out.stdout, out.stderr)
+        slept[case] = sum(float(s) for s in sleeps.read_text().split()) if sleeps.exists() else 0.0
+    assert slept["none"] == 0.0, slept
+    assert slept["quick"] < slept["stubborn"], slept
+
+
 def test_lora_targets_leave_the_short_conv_alone() -> None:
     assert "out_proj" not in recipe.LORA_TARGET_MODULES  # a bare suffix would also wrap conv.out_proj
     assert "self_attn.out_proj" in recipe.LORA_TARGET_MODULES
@@ -164,6 +193,44 @@ def test_every_python_the_suite_starts_hides_gradio_and_openenv_falls_back_witho
     server = subprocess.run([sys.executable, "-c", "import openenv.harbor.ui", "harbor", "serve"], cwd=ROOT,
                             capture_output=True, text=True, timeout=120)
     assert server.returncode == 0, server.stderr[-2000:]
+
+
+def test_every_python_the_suite_starts_maps_packages_to_distributions_as_importlib_does(tmp_path: Path) -> None:
+    """tests/site/sitecustomize.py keeps `importlib.metadata.packages_distributions()` (transformers and TRL each call
+    it at import, about a CPU-second each) in a file per sys.path and its folders' mtimes: every Python the suite
+    starts gets the mapping importlib itself makes, and a distribution installed in a folder on its path is seen at
+    the next start."""
+    code = ("import json; from importlib import metadata\n"
+            "print(json.dumps(metadata.packages_distributions(), sort_keys=True))\n"
+            "print(json.dumps(getattr(metadata.packages_distributions, 'cache_file', None)))\n")
+
+    def run(extra: Path, *, site: bool = True) -> tuple[dict, str | None]:
+        """A child's mapping and cache file, `extra` first on its path; without the site, importlib's own."""
+        inherited = [e for e in os.environ.get("PYTHONPATH", "").split(os.pathsep)
+                     if e and (site or Path(e) != ROOT / "tests" / "site")]
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(extra), *inherited])}
+        out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                             timeout=60)
+        assert out.returncode == 0, out.stderr[-2000:]
+        mapping, cache_file = out.stdout.splitlines()
+        return json.loads(mapping), json.loads(cache_file)
+
+    def dist(folder: Path, name: str) -> None:
+        info = folder / f"{name}-1.0.dist-info"
+        info.mkdir()
+        (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n")
+        (info / "top_level.txt").write_text(f"{name}_pkg\n")
+
+    extra = tmp_path / "site-packages"
+    extra.mkdir()
+    dist(extra, "first")
+    cached, cache_file = run(extra)
+    assert cache_file and Path(cache_file).is_file()
+    assert cached == run(extra)[0] == run(extra, site=False)[0]  # read back: what importlib makes without the site
+    assert cached["first_pkg"] == ["first"]
+    dist(extra, "second")  # an install into a folder on the path: the next start sees it
+    later, later_file = run(extra)
+    assert later_file != cache_file and later["second_pkg"] == ["second"] and later == run(extra, site=False)[0]
 
 
 def test_ruff_is_clean() -> None:
