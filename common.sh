@@ -75,20 +75,27 @@ port_free() {
   if (exec 3<>"/dev/tcp/127.0.0.1/$1") 2>/dev/null; then die "port $1 is already in use: stop what listens there or change the port"; fi
 }
 
-# children_alive: true while any process group started with start_bg still has a member.
+# children_alive: true while any child started with start_bg, or its process group, still has a member.
 children_alive() {
   local pid
-  for pid in "${CHILD_PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null && return 0; done
+  for pid in "${CHILD_PIDS[@]}"; do kill -0 -- "-$pid" 2>/dev/null || kill -0 "$pid" 2>/dev/null && return 0; done
   return 1
 }
 
-# cleanup: TERMs every child process group started with start_bg, waits up to 1 s (ten 0.1 s polls) for them to
-# stop, then KILLs what is left. A script that started nothing (a refused input) exits at once.
+# signal_children SIG: sends SIG to each child's group and to the child itself: a cleanup that comes right after
+# start_bg can find the child before its setsid has made the group, and TERM to the group alone would miss it.
+signal_children() {
+  local pid
+  for pid in "${CHILD_PIDS[@]}"; do kill "-$1" -- "-$pid" 2>/dev/null || true; kill "-$1" "$pid" 2>/dev/null || true; done
+}
+
+# cleanup: TERMs every child started with start_bg, waits up to 1 s (ten 0.1 s polls) for them to stop, then
+# KILLs what is left. A script that started nothing (a refused input) exits at once.
 cleanup() {
-  local pid _
-  for pid in "${CHILD_PIDS[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  local _
+  signal_children TERM
   for _ in 1 2 3 4 5 6 7 8 9 10; do children_alive || return 0; sleep 0.1; done
-  for pid in "${CHILD_PIDS[@]}"; do kill -KILL -- "-$pid" 2>/dev/null || true; done
+  signal_children KILL
 }
 
 # require_gpus INDEX...: fails with one line if nvidia-smi does not list every given GPU index; the hint names

@@ -99,22 +99,30 @@ def test_common_sh_reads_every_knob_once_and_answers_as_recipe_py_does() -> None
 def test_cleanup_waits_for_children_only_as_long_as_they_take_to_stop(tmp_path: Path) -> None:
     """cleanup TERMs every child's process group and KILLs what a grace later is left: a script that started no
     child exits at once (a refused input is one line, not one line and a second's wait), a child that stops on TERM
-    ends the wait, and one that ignores TERM is killed when the grace is up."""
+    ends the wait, and one that ignores TERM is killed when the grace is up. `at_once` calls cleanup right after
+    each of 30 starts, before the child's setsid may have made its group: TERM to the group alone left about one
+    child in four running."""
     stubborn = "trap '' TERM; while :; do sleep 0.1; done"
     script = f"""source common.sh
 sleep() {{ printf '%s\\n' "$1" >>"$SLEEPS"; command sleep "$1"; }}
 LOG_DIR={tmp_path}/logs
+started=()
 case "$CASE" in
   none) ;;
   quick) start_bg quick sleep 300 ;;
+  at_once)  # each child cleaned up on its own: a later cleanup would also stop an earlier survivor
+    for _ in $(seq 30); do CHILD_PIDS=(); start_bg at_once sleep 300; cleanup; started+=("${{CHILD_PIDS[@]}}"); done
+    CHILD_PIDS=() ;;
   stubborn) start_bg stubborn bash -c "{stubborn}"; command sleep 0.5 ;;
 esac
 cleanup
 command sleep 0.5  # time to be reaped: a zombie still answers kill -0
-for pid in "${{CHILD_PIDS[@]}}"; do ps -o stat= -g "$pid" | grep -qv '^Z' && echo "alive: $pid"; done
+for pid in "${{CHILD_PIDS[@]}}" "${{started[@]}}"; do
+  ps -o stat= -g "$pid" | grep -qv '^Z' && echo "alive: $pid" && kill -KILL -- "-$pid"
+done
 true"""
     slept = {}
-    for case in ("none", "quick", "stubborn"):
+    for case in ("none", "quick", "stubborn", "at_once"):
         sleeps = tmp_path / f"{case}.sleeps"
         env = {**os.environ, "PYTHON": sys.executable, "CASE": case, "SLEEPS": str(sleeps)}
         out = subprocess.run(["bash", "-c", script], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
