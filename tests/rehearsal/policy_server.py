@@ -114,8 +114,11 @@ class OldestTaskFirst:
 #   wrong      the same with a wrong answer
 #   none       a final message at once: no answer file
 #   malformed  a tool call the parser cannot read (left as text; OpenCode ends on it): no answer file
-#   loop       a shell tool call every turn, until the agent timeout stops it
+#   loop       a shell tool call every turn (`sleep LOOP_WAIT_S`), until the agent timeout stops it
 MODES = ("right", "wrong", "none", "malformed", "loop")
+# The looping agent's shell call waits this long each turn, as an agent polling for data would: a timeout of tens of
+# seconds sees a few turns, not dozens (each turn costs OpenCode and the policy double CPU, not the agent's clock).
+LOOP_WAIT_S = 5
 ANSWER_FILE = "/workdir/answer.txt"
 TITLE = "Mean of column x"
 
@@ -152,7 +155,7 @@ class Script:
                 self.played.append((task, mode))
             return self._first(mode)
         if calls[-1]["function"]["name"] == "bash":
-            return _call("bash", {"command": "sleep 1", "description": "Wait for the data"})
+            return _call("bash", {"command": f"sleep {LOOP_WAIT_S}", "description": "Wait for the data"})
         return {"role": "assistant", "content": f"The answer is in {ANSWER_FILE}."}
 
     def _first(self, mode: str) -> dict[str, Any]:
@@ -162,7 +165,7 @@ class Script:
             return {"role": "assistant", "content": "I could not find the answer."}
         if mode == "malformed":
             return {"role": "assistant", "content": f"<|tool_call_start|>[write(filePath='{ANSWER_FILE}', content="}
-        return _call("bash", {"command": "sleep 1", "description": "Wait for the data"})
+        return _call("bash", {"command": f"sleep {LOOP_WAIT_S}", "description": "Wait for the data"})
 
 
 def _call(name: str, arguments: dict[str, Any]) -> dict[str, Any]:
