@@ -13,6 +13,7 @@
 tests/test_foundation.py checks each rule against what OpenEnv and importlib do without it.
 """
 
+import os  # loaded by site before this file: free here
 import sys
 
 
@@ -22,8 +23,6 @@ def env_server(argv: list[str]) -> bool:
 
 
 def _mtime_ns(entry: str) -> int | None:
-    import os
-
     try:
         return os.stat(entry or ".").st_mtime_ns
     except OSError:
@@ -34,7 +33,6 @@ def packages_distributions() -> dict[str, list[str]]:
     """importlib's mapping of import names to distributions, kept in a file per sys.path and its folders' mtimes."""
     import hashlib
     import json
-    import os
     import tempfile
 
     stamp = json.dumps([sys.version, [(entry, _mtime_ns(entry)) for entry in sys.path]])
