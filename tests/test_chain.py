@@ -247,13 +247,19 @@ def test_the_public_host_answers_over_tls_with_a_certificate_only_the_test_ca_vo
 
 
 def test_every_model_call_reached_the_gateway_through_the_front_as_x_api_key_alone(played):
-    calls = [headers for method, path, headers in played["forwarded"] if method == "POST" and path == CAPTURE_CALL]
-    assert calls and all("authorization" not in headers for headers in calls)  # the front cut every Bearer ...
+    """Every call the gateway answered is one turn of its session's trace. A call the engine failed (the gateway
+    answers 502; seen once in CI, when the policy's connection dropped under load) is no turn, and OpenCode sends
+    it again: so the answered calls are counted, and each other call must be that 502."""
+    calls = [(headers, status) for method, path, headers, status in played["forwarded"]
+             if method == "POST" and path == CAPTURE_CALL]
+    assert calls and all("authorization" not in headers for headers, _ in calls)  # the front cut every Bearer ...
+    answered = [headers.get("x-api-key") for headers, status in calls if status == 200]
+    assert all(status in (200, 502) for _, status in calls), calls
     for _, session, _, _ in played["out"]:  # ... and each session's calls (its title call too) carried its key
         key = session.result.session_id
-        assert [h.get("x-api-key") for h in calls].count(key) == session.result.n_turns
+        assert answered.count(key) == session.result.n_turns
         assert f"Bearer {key}" in jobs_proxy_double.DROPPED  # OpenCode did send the Bearer (apiKey = the session)
-    assert len(calls) == sum(session.result.n_turns for _, session, _, _ in played["out"])
+    assert len(answered) == sum(session.result.n_turns for _, session, _, _ in played["out"])
 
 
 # --- Faults: each rollout ends as its class in train_rollouts' ledger -----------------------------------------------

@@ -1,5 +1,6 @@
 """A stand-in for the HF Jobs proxy in front of the public port: forwards every request but drops the
-`Authorization` header (what the real proxy was seen to do). Records which headers it dropped, and what it forwarded.
+`Authorization` header (what the real proxy was seen to do). Records which headers it dropped, and what it forwarded
+with the status the upstream answered.
 
 Plain HTTP on a free loopback port by default; given an `ssl.SSLContext` and an address it is the job's public host
 as a sandbox sees it (`https://<host>/...` on port 443, tests/chain/tls_front.py), TLS terminated here."""
@@ -15,7 +16,7 @@ import urllib.request
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 DROPPED: list[str] = []
-FORWARDED: list[tuple[str, str, dict[str, str]]] = []  # (method, path, the headers sent on), every request
+FORWARDED: list[tuple[str, str, dict[str, str], int]] = []  # (method, path, the headers sent on, the status answered)
 
 
 def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ssl.SSLContext | None = None):
@@ -33,14 +34,15 @@ def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ss
                     DROPPED.append(value)
                 elif key.lower() not in ("host", "content-length", "connection"):
                     headers[key] = value
-            FORWARDED.append((self.command, self.path, {k.lower(): v for k, v in headers.items()}))
             request = urllib.request.Request(upstream + self.path, data=body, headers=headers, method=self.command)
             try:
                 reply = urllib.request.urlopen(request, timeout=60)
             except urllib.error.HTTPError as err:
                 reply = err
             data = reply.read()
-            self.send_response(reply.status if hasattr(reply, "status") else reply.code)
+            status = reply.status if hasattr(reply, "status") else reply.code
+            FORWARDED.append((self.command, self.path, {k.lower(): v for k, v in headers.items()}, status))
+            self.send_response(status)
             for key, value in reply.headers.items():
                 if key.lower() not in ("transfer-encoding", "content-length", "connection", "date", "server"):
                     self.send_header(key, value)
