@@ -5,10 +5,13 @@ waits mostly on the script's own polls and timeouts, and one module of all of th
 
 from __future__ import annotations
 
+import atexit
+import functools
 import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
@@ -36,8 +39,7 @@ def make_job(tmp_path: Path) -> dict:
         shutil.copy(ROOT / name, app / name)
     for name, fake in FAKES.items():
         shutil.copy(STUBS / fake, app / name)
-    site = tmp_path / "site"
-    fake_vllm(site, recipe.VLLM_VERSION)
+    site = shared_site()
     startup_site(tmp_path / "startup", site)
     token = uuid.uuid4().hex
     ports = {"POLICY_PORT": free_port(), "ENV_PORT": free_port(), "PUBLIC_PORT": free_port()}
@@ -45,7 +47,7 @@ def make_job(tmp_path: Path) -> dict:
            if k not in {"HF_TOKEN", "SANDBOX", "DAYTONA_API_KEY", "E2B_API_KEY", "SPACE_HOST", "JOB_ID", "HF_JOB_ID"}}
     env.update(
         PATH=f"{STUBS / 'bin'}:{env['PATH']}", PYTHON=str(STUBS / "bin" / "python3"), REAL_PYTHON=sys.executable,
-        PYTHONPATH=str(tmp_path / "startup"), SITE_PACKAGES=str(site), STUB_LOG=str(tmp_path / "stub.log"),
+        PYTHONPATH=str(tmp_path / "startup"), STUB_LOG=str(tmp_path / "stub.log"),
         LOG_DIR=str(tmp_path / "logs"), WORK_DIR=str(tmp_path / "work"),
         ADAPTER_REPO="you/LFM2.5-2.6B-opencode-lora-RL",
         HF_TOKEN=SECRET, JOB_ID="job123", MAX_STEPS="3", PUBLIC_HOST="127.0.0.1", WATCH_INTERVAL="0.2",
@@ -54,6 +56,26 @@ def make_job(tmp_path: Path) -> dict:
         **{k: str(v) for k, v in ports.items()},
     )
     return {"app": app, "env": env, "tmp": tmp_path, "token": token, "ports": ports}
+
+
+@functools.cache
+def shared_site() -> Path:
+    """The image's site folder with recipe.VLLM_VERSION's fake vLLM, one for this process's tests, which only read it:
+    its Pythons then share one package map (tests/site/sitecustomize.py rule 2). A test that changes it takes
+    own_site()."""
+    site = Path(tempfile.mkdtemp(prefix="run-job-site-"))
+    atexit.register(shutil.rmtree, site, ignore_errors=True)
+    fake_vllm(site, recipe.VLLM_VERSION)
+    return site
+
+
+def own_site(job: dict, version: str = recipe.VLLM_VERSION) -> Path:
+    """A site folder of this job's own, with `version`'s fake vLLM, for a test that changes what the image has."""
+    site = job["tmp"] / "site"
+    fake_vllm(site, version)
+    shutil.rmtree(job["tmp"] / "startup")
+    startup_site(job["tmp"] / "startup", site)
+    return site
 
 
 def fake_vllm(site: Path, version: str) -> None:

@@ -239,6 +239,15 @@ def test_every_python_the_suite_starts_maps_packages_to_distributions_as_importl
     dist(extra, "second")  # an install into a folder on the path: the next start sees it
     later, later_file = run(extra)
     assert later_file != cache_file and later["second_pkg"] == ["second"] and later == run(extra, site=False)[0]
+    # A folder on the path that holds no distribution (a script's folder, the run_job tests' new bundle folder in
+    # each test) changes nothing the map is made from: the map kept for the path without it is read.
+    (empty := tmp_path / "no-distributions").mkdir()
+    assert run(empty) == run(tmp_path / "nothing-here")
+    # Until a distribution is installed there: then the next start makes the map again and sees it.
+    dist(empty, "third")
+    third, third_file = run(empty)
+    assert third_file != run(tmp_path / "nothing-here")[1] and third["third_pkg"] == ["third"]
+    assert third == run(empty, site=False)[0]
 
 
 def test_ruff_is_clean() -> None:

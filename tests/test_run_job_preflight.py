@@ -7,13 +7,12 @@ from __future__ import annotations
 import os
 import re
 import shlex
-import shutil
 import socket
 import subprocess
 import sys
 
 import pytest
-from run_job_harness import ROOT, SECRET, fake_vllm, make_job, run_job, stub_log
+from run_job_harness import ROOT, SECRET, make_job, own_site, run_job, stub_log
 
 import recipe
 
@@ -31,8 +30,7 @@ def test_openenv_whose_sessions_trl_cannot_train_stops_job(job):
 
 
 def test_vllm_outside_version_window_stops_job_with_versions(job):
-    shutil.rmtree(job["tmp"] / "site" / f"vllm-{recipe.VLLM_VERSION}.dist-info")
-    fake_vllm(job["tmp"] / "site", "0.30.0")
+    own_site(job, "0.30.0")
     out = run_job(job)
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
@@ -42,8 +40,7 @@ def test_vllm_outside_version_window_stops_job_with_versions(job):
 
 
 def test_vllm_build_with_local_version_suffix_passes(job):
-    shutil.rmtree(job["tmp"] / "site" / f"vllm-{recipe.VLLM_VERSION}.dist-info")
-    fake_vllm(job["tmp"] / "site", f"{recipe.VLLM_VERSION}+cu130")  # how a CUDA build may name itself
+    own_site(job, f"{recipe.VLLM_VERSION}+cu130")  # how a CUDA build may name itself
     out = run_job(job, FINAL_EVAL="0")
     assert out.returncode == 0, out.stderr
     assert f"vllm {recipe.VLLM_VERSION}+cu130" in out.stdout  # the versions line
@@ -65,7 +62,7 @@ def test_accepted_pip_check_break_passes(job):
 
 
 def test_vllm_api_server_not_importing_stops_job(job):
-    (job["tmp"] / "site" / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text("import mcp.nonexistent\n")
+    (own_site(job) / "vllm" / "entrypoints" / "openai" / "api_server.py").write_text("import mcp.nonexistent\n")
     out = run_job(job)
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]

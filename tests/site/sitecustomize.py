@@ -6,9 +6,12 @@
    Every other process that imports any of OpenEnv (the capture proxy, the trainer and TRL's rollout child, the eval,
    `seam_patch.py check`) paid about 3 CPU-seconds for it: about a tenth of the suite's CPU on 2 cores. The env
    server (`harbor serve`) serves OpenEnv's gradio UI at /web (openenv.harbor.ui) and keeps gradio.
-2. `importlib.metadata.packages_distributions()` is read from a file made by its first call for the same sys.path
-   and path folders' mtimes (an install or removal changes its folder's mtime, so it makes a new file). transformers
-   and TRL each call it at import, about a CPU-second each, in each of the suite's ~40 Pythons that import them.
+2. `importlib.metadata.packages_distributions()` is read from a file made by its first call for the same path
+   folders that hold distributions (a `*.dist-info` or `*.egg-info`, or a zip on the path) and their mtimes: an
+   install or removal changes its folder's mtime, and a first install puts the folder in the key, so either makes a
+   new file. transformers and TRL each call it at import, about a CPU-second each, in each of the suite's Pythons
+   that import them; a folder without distributions (a script's own, the run_job tests' bundle folder, new in every
+   test) changes nothing importlib reads, so it does not make the map again.
 
 tests/test_foundation.py checks each rule against what OpenEnv and importlib do without it.
 """
@@ -22,11 +25,17 @@ def env_server(argv: list[str]) -> bool:
     return any(a == "harbor" and b == "serve" for a, b in zip(argv, argv[1:], strict=False))
 
 
-def _mtime_ns(entry: str) -> int | None:
+def _stamp(entry: str) -> tuple[str, int] | None:
+    """(entry, mtime) for a path entry importlib.metadata finds distributions in; None for one it finds none in."""
     try:
-        return os.stat(entry or ".").st_mtime_ns
+        names = os.listdir(entry or ".")
+    except NotADirectoryError:  # a zip or egg on the path
+        return entry, os.stat(entry).st_mtime_ns
     except OSError:
         return None
+    if not any(name.lower().endswith((".dist-info", ".egg-info")) for name in names):
+        return None
+    return entry, os.stat(entry or ".").st_mtime_ns
 
 
 def packages_distributions() -> dict[str, list[str]]:
@@ -35,7 +44,7 @@ def packages_distributions() -> dict[str, list[str]]:
     import json
     import tempfile
 
-    stamp = json.dumps([sys.version, [(entry, _mtime_ns(entry)) for entry in sys.path]])
+    stamp = json.dumps([sys.version, [s for s in map(_stamp, sys.path) if s]])
     path = os.path.join(tempfile.gettempdir(),
                         f"suite-package-map-{hashlib.sha256(stamp.encode()).hexdigest()[:20]}.json")
     packages_distributions.cache_file = path  # the file this call read or wrote (tests/test_foundation.py)
