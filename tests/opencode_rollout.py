@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 from openenv.core.harness import TrainingTrace
 from openenv.harbor import seams
-from stubs.procs import free_port, start, stop, wait_http
+from stubs.procs import free_ports, start, stop, wait_http
 from tiny_lfm2 import save_tiny_model
 from trl.experimental.async_grpo.async_rollout_worker import _chain_to_sequences
 from trl.experimental.async_grpo.openenv_harness import _turns_from_training_trace
@@ -82,7 +82,7 @@ def rollout_stack(model_dir: Path, script: list[str], tmp: Path, *, pinned: bool
     """
     tmp.mkdir(parents=True, exist_ok=True)
     (tmp / "script.json").write_text(json.dumps(script))
-    policy_port, capture_port = free_port(), free_port()
+    policy_port, capture_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"}
     env.update(PATH=f"{STUBS / 'bin'}:{env['PATH']}", PYTHON=sys.executable, REAL_PYTHON=sys.executable,
                LOG_DIR=str(tmp / "logs"), MODEL=str(model_dir), PORT=str(policy_port), GPU="1",

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hub_double import LocalHub
-from stubs.procs import free_port, wait_http
+from stubs.procs import free_ports, wait_http
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
 import adapter_repo
@@ -627,7 +627,7 @@ def env_server(tmp_path_factory):
 
     root = tmp_path_factory.mktemp("harbor")
     tasks = materialized(root)
-    llm_port, env_port = free_port(), free_port()
+    llm_port, env_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k != "HF_TOKEN"} | {
         "SPACE_HOST": "test--8000.hf.jobs", "ENABLE_WEB_INTERFACE": "false", "HOME": str(root),
         "OPENENV_HARBOR_TRIALS_DIR": str(root / "trials")}
@@ -717,7 +717,7 @@ def make_eval_job(tmp_path):
                REAL_PYTHON=sys.executable, STUB_LOG=str(tmp_path / "stub.log"), LOG_DIR=str(tmp_path / "logs"),
                WORK_DIR=str(tmp_path / "work"), ADAPTER_REPO=REPO, HF_TOKEN="hf_SECRETSECRET", JOB_ID="job9",
                PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", EVAL_TEST_TOKEN=token,
-               POLICY_PORT=str(free_port()), ENV_PORT=str(free_port()), PUBLIC_PORT=str(free_port()))
+               **dict(zip(("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"), map(str, free_ports(3)), strict=True)))
     return {"app": app, "env": env, "log": tmp_path / "stub.log", "token": token}
 
 

@@ -446,3 +446,14 @@ def test_readme_vllm_serve_line_serves_the_chat_template_the_run_trained_with() 
         template = re.search(r"--chat-template (\S+)", line)
         assert template, line
         assert f"chat_template.py {template.group(1)}`" in readme, f"README never writes {template.group(1)}"
+
+
+def test_the_ports_a_test_asks_for_at_once_are_never_the_same_port() -> None:
+    """Each port is free when it is picked, and the ones asked for together are distinct: picked one at a time, the
+    kernel may hand out a port it just closed again (about 6 in 20,000 picks of three here; a CI run failed on
+    `ENV_PORT and PUBLIC_PORT are both 40633`)."""
+    from stubs.procs import free_ports
+
+    picks = [free_ports(3) for _ in range(20_000)]
+    assert all(len(set(ports)) == 3 for ports in picks)
+    assert all(0 < port < 65536 for ports in picks for port in ports)

@@ -31,7 +31,7 @@ from openenv.core.harness.capture.sessions import SessionRegistry
 from openenv.harbor import rollout, seams
 from openenv.harbor.client import HarborEnv
 from stubs import upstream_double
-from stubs.procs import free_port, start, stop, wait_http
+from stubs.procs import free_ports, start, stop, wait_http
 
 import recipe
 import sandbox_lifecycle
@@ -144,7 +144,7 @@ def test_the_env_server_as_serve_env_sh_starts_it_sends_the_idle_timeout_to_sand
     """serve_env.sh's own plan (DRY_RUN), run with the Sandbox double in the server process; one rollout through
     OpenEnv's client: what reaches Sandbox.create in the job's env server process."""
     upstream = upstream_double.start(model=recipe.SERVED_MODEL_NAME)
-    env_port, public_port = free_port(), free_port()
+    env_port, public_port = free_ports(2)
     env = {k: v for k, v in os.environ.items() if k not in {"SANDBOX", "DAYTONA_API_KEY", "E2B_API_KEY"}}
     env.update(DRY_RUN="1", PYTHON=sys.executable, HF_TOKEN="hf_dummy", DATASETS=str(task_dir.parents[1]),
                SPACE_HOST=f"job--{public_port}.hf.jobs", ENV_PORT=str(env_port), PUBLIC_PORT=str(public_port),

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 from openenv.harbor import seams
 from stubs import jobs_proxy_double, upstream_double
-from stubs.procs import free_port, start, stop, wait_http
+from stubs.procs import free_port, free_ports, start, stop, wait_http
 
 import recipe
 import seam_patch
@@ -223,7 +223,7 @@ def job_ports(tmp_path_factory):
     """serve_env.sh (real env server + gateway) in front of a vLLM double; yields (env_port, public_port)."""
     tmp = tmp_path_factory.mktemp("serve_env")
     upstream = upstream_double.start(model=recipe.SERVED_MODEL_NAME)
-    env_port, public_port = free_port(), free_port()
+    env_port, public_port = free_ports(2)
     env = bash_env(
         tmp, DATASETS=str(synthetic_tasks(tmp / "train")), SPACE_HOST=f"job--{public_port}.hf.jobs",
         HF_TOKEN="hf_dummy", POLICY_URL=f"http://127.0.0.1:{upstream.server_address[1]}",

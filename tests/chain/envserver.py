@@ -22,7 +22,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from stubs.procs import free_port, wait_http
+from stubs.procs import free_ports, wait_http
 
 import recipe
 
@@ -68,7 +68,7 @@ class EnvServer:
         self.root.mkdir(parents=True, exist_ok=True)
         self.trials, self.sandboxes = self.root / "trials", self.root / "sandboxes"
         self.faults_file, self.log = self.root / "faults.json", self.root / "env_server.log"
-        port, capture_port = free_port(), free_port()
+        port, capture_port, public_port = free_ports(3)
         self.url = f"http://127.0.0.1:{port}"
         layers = [str(IMAGE_ROOT)]
         self.env = {**{k: v for k, v in os.environ.items() if k not in ("HF_TOKEN", "SPACE_HOST")},
@@ -81,7 +81,6 @@ class EnvServer:
         if public:
             from chain import tls_front
 
-            public_port = free_port()
             self.host, self.address = f"job-chain--{public_port}.hf.jobs", tls_front.loopback_address()
             self.certs = tls_front.make_certs(self.root / "certs", self.host)
             layers.insert(0, str(tls_front.trust_layer(self.root / "trust-layer", IMAGE_ROOT, self.certs, self.host,

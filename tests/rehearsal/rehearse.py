@@ -38,7 +38,6 @@ import logging
 import multiprocessing
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -61,6 +60,7 @@ from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
 from policy_server import PolicyServer, Script  # noqa: E402
 from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
+from stubs.procs import free_port  # noqa: E402
 from tiny_lfm2 import save_tiny_model  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
@@ -187,12 +187,6 @@ class CrashingHub(LocalHub):
             os.kill(self.proxy.pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
         return info
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind((recipe.LOOPBACK, 0))
-        return sock.getsockname()[1]
 
 
 def start_capture_proxy(llm_url: str, log_file: Path) -> tuple[subprocess.Popen, str]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -12,9 +13,17 @@ import urllib.request
 
 def free_port() -> int:
     """A port nothing listens on right now (127.0.0.1)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
+    return free_ports(1)[0]
+
+
+def free_ports(count: int) -> list[int]:
+    """`count` distinct ports nothing listens on right now (127.0.0.1): all are held open while they are picked, so
+    the kernel cannot hand one out twice, as it may to two free_port() calls in a row."""
+    with contextlib.ExitStack() as held:
+        socks = [held.enter_context(socket.socket()) for _ in range(count)]
+        for sock in socks:
+            sock.bind(("127.0.0.1", 0))
+        return [sock.getsockname()[1] for sock in socks]
 
 
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
