@@ -176,6 +176,7 @@ VLLM_GPU = "1"
 PUBLIC_PORT = 8000
 ENV_PORT = 8001  # Env server task API, loopback only.
 VLLM_PORT = 8100  # vLLM, loopback only: its dev endpoints are unauthenticated.
+PORT_KNOBS = ("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT")  # The job's port knobs: vLLM, the env server, the gateway.
 LOOPBACK = "127.0.0.1"
 # Stall watchdog (run_job.sh). Progress = an optimizer step or, while the trainer waits for rollouts, a finished
 # rollout (train_rollouts.refresh_heartbeat). Every rollout call ends, done or failed, within OpenEnv's Harbor client
@@ -630,7 +631,7 @@ def _watch_often_enough(env: Mapping[str, str]) -> None:
 
 def _ports_distinct(env: Mapping[str, str]) -> None:
     ports: dict[int, str] = {}
-    for name in ("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"):
+    for name in PORT_KNOBS:
         port = knob(name, env)
         if port in ports:
             raise ConfigError(f"{ports[port]} and {name} are both {port}: give vLLM, the env server and the public "
@@ -642,7 +643,7 @@ KNOB_RULES: tuple[tuple[tuple[str, ...], Callable[[Mapping[str, str]], None]], .
     (("SAVE_STEPS", "MAX_STEPS"), _save_within_run),
     (("STALL_SECONDS", "STALL_MINUTES"), _one_stall_limit),
     (("WATCH_INTERVAL", "STALL_SECONDS", "STALL_MINUTES"), _watch_often_enough),
-    (("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"), _ports_distinct),
+    (PORT_KNOBS, _ports_distinct),
 )
 
 

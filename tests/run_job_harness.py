@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from stubs.procs import free_ports
+from stubs.procs import free_port_knobs
 
 import recipe
 
@@ -42,7 +42,7 @@ def make_job(tmp_path: Path) -> dict:
     site = shared_site()
     startup_site(tmp_path / "startup", site)
     token = uuid.uuid4().hex
-    ports = dict(zip(("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"), free_ports(3), strict=True))
+    ports = free_port_knobs()
     env = {k: v for k, v in os.environ.items()
            if k not in {"HF_TOKEN", "SANDBOX", "DAYTONA_API_KEY", "E2B_API_KEY", "SPACE_HOST", "JOB_ID", "HF_JOB_ID"}}
     env.update(

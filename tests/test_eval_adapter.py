@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hub_double import LocalHub
-from stubs.procs import free_ports, wait_http
+from stubs.procs import free_port_knobs, free_ports, wait_http
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
 import adapter_repo
@@ -717,7 +717,7 @@ def make_eval_job(tmp_path):
                REAL_PYTHON=sys.executable, STUB_LOG=str(tmp_path / "stub.log"), LOG_DIR=str(tmp_path / "logs"),
                WORK_DIR=str(tmp_path / "work"), ADAPTER_REPO=REPO, HF_TOKEN="hf_SECRETSECRET", JOB_ID="job9",
                PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", EVAL_TEST_TOKEN=token,
-               **dict(zip(("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT"), map(str, free_ports(3)), strict=True)))
+               **{name: str(port) for name, port in free_port_knobs().items()})
     return {"app": app, "env": env, "log": tmp_path / "stub.log", "token": token}
 
 

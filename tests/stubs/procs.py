@@ -26,6 +26,13 @@ def free_ports(count: int) -> list[int]:
         return [sock.getsockname()[1] for sock in socks]
 
 
+def free_port_knobs() -> dict[str, int]:
+    """A distinct free port for each of the job's port knobs (recipe.PORT_KNOBS), as a test gives a job script."""
+    import recipe
+
+    return dict(zip(recipe.PORT_KNOBS, free_ports(len(recipe.PORT_KNOBS)), strict=True))
+
+
 def wait_http(url: str, proc: subprocess.Popen | None = None, timeout: float = 30.0) -> None:
     """Wait until `url` answers (any HTTP status); fail early if `proc` exits."""
     deadline = time.monotonic() + timeout
