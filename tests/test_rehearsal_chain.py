@@ -27,7 +27,7 @@ envserver.require()
 sys.path.insert(0, str(Path(__file__).resolve().parent / "rehearsal"))
 from rehearse import ADAPTER_REPO, CHAIN_GROUP, REHEARSAL_RATIO_BAND, run_apart  # noqa: E402
 
-START_TIMEOUT_S = 420  # one start: servers, trainer, a group of 8 real rollouts (and the next in flight), a step
+START_TIMEOUT_S = 420  # one start: servers, trainer, a group of CHAIN_GROUP rollouts (and the next in flight), a step
 
 
 def by_start(report: dict, lines: list[dict], data: Path) -> dict[int, list[float]]:
