@@ -355,8 +355,8 @@ PREFLIGHT = {
                     "REPORT_TO=trackio (or none)"),
     # Issue 42: daytona and e2b run, with their key; without it, one line naming it (Harbor's preflight rule).
     "daytona without its key": ("train", _env(SANDBOX="daytona", E2B_API_KEY=SANDBOX_CANARY),
-                                "SANDBOX=daytona needs DAYTONA_API_KEY (or DAYTONA_JWT_TOKEN and DAYTONA_ORGANIZATION_ID)"
-                                ": set it (launch.py passes it to the job as a secret)"),
+                                "SANDBOX=daytona needs DAYTONA_API_KEY (or DAYTONA_JWT_TOKEN and "
+                                "DAYTONA_ORGANIZATION_ID): set it (launch.py passes it to the job as a secret)"),
     "daytona jwt without its organization": ("smoke", _env(SANDBOX="daytona", DAYTONA_JWT_TOKEN=SANDBOX_CANARY),
                                              "SANDBOX=daytona needs DAYTONA_API_KEY (or DAYTONA_JWT_TOKEN and"),
     "e2b without its key": ("eval-watch", _env(SANDBOX="e2b", DAYTONA_API_KEY=SANDBOX_CANARY),
