@@ -417,6 +417,8 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     if sandbox != recipe.SANDBOX:  # the backend's key rides as a secret; the job installs its extra
         secrets |= recipe.sandbox_keys(sandbox, env)
         job_vars["SANDBOX"] = sandbox
+        job_vars |= {name: env[name].strip() for name in recipe.SANDBOXES[sandbox].get("settings", ())
+                     if env.get(name, "").strip()}
     said = {"notes": told} if (told := notes(mode, job_vars) + recipe.sandbox_notes(sandbox)) else {}
     said["install"] = ["requirements.txt", *([need] if (need := recipe.SANDBOXES[sandbox]["requirements"]) else [])]
     timeout = smoke_timeout(mode, args, job_vars)

@@ -65,13 +65,14 @@ GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629
 DATA_BUCKET = "AdithyaSK/jupyter-agent-kaggle-all"
 # Harbor sandbox backend for every rollout (train and eval), env SANDBOX: HF Sandboxes by default (no third-party
 # account: the HF token), or Daytona or E2B with their own key. Per backend: the keys Harbor's own preflight() asks for
-# (any one tuple, all of it set) and the requirements run_job.sh installs beside requirements.txt (each resolved beside
-# vLLM 0.31's pins, `pip check` clean: tests/image_resolution.json). Reference: docs/sandboxes.md.
+# (any one tuple, all of it set; the job gets them as secrets), the SDK's own settings passed on when set, and the
+# requirements run_job.sh installs beside requirements.txt (each resolved beside vLLM 0.31's pins, `pip check` clean:
+# tests/image_resolution.json). Reference: docs/sandboxes.md.
 SANDBOX = "hf-sandbox"
 SANDBOXES: dict[str, dict[str, Any]] = {
     "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": None},
     "daytona": {"keys": (("DAYTONA_API_KEY",), ("DAYTONA_JWT_TOKEN", "DAYTONA_ORGANIZATION_ID")),
-                "requirements": "requirements-daytona.txt"},
+                "settings": ("DAYTONA_API_URL", "DAYTONA_TARGET"), "requirements": "requirements-daytona.txt"},
     "e2b": {"keys": (("E2B_API_KEY",),), "requirements": "requirements-e2b.txt"},
 }
 # E2B's Hobby plan runs at most 20 sandboxes at once (and each for at most 1 h), fewer than the recipe's 32 rollouts

@@ -20,7 +20,7 @@ import time
 
 import pytest
 from chain import envserver
-from test_chain import RIGHT, WRONG, Chain, check_trace, kind
+from test_chain import check_trace, kind, running
 
 import recipe
 import sandbox_lifecycle
@@ -38,38 +38,27 @@ PLANS = {"daytona": ("group", "rate_limited_once", "never"),
 
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory):
-    from chain.bucket import Bucket
-    from harbor_fixture import BUCKET, materialized
-    from rehearsal.policy_server import PolicyServer, Script
-    from tiny_lfm2 import save_tiny_model
-
     root = tmp_path_factory.mktemp("backends")
-    tasks = materialized(root, n_medium=5, n_hard=5, n_test=1)
-    names = sorted(p.name for p in (tasks / "train" / "tasks").iterdir())
-    bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": b"x\n4.0\n4.4\n"} for name in names})
-    model_dir = save_tiny_model(root / "model", vocab_size=envserver.CHAIN_VOCAB)
-    tasks_of = {backend: dict(zip(plan, names[5 * i:], strict=False)) for i, (backend, plan) in enumerate(PLANS.items())
-                }
-    modes = {task: GROUP if role == "group" else ["right"] for plan in tasks_of.values() for role, task in plan.items()}
-    policy = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype="float32",
-                          max_model_len=envserver.POLICY_MAX_MODEL_LEN, script=Script(modes, RIGHT, WRONG))
-    policy.start()
-    server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url)
-    # The env server the job runs for SANDBOX=e2b (its preflight and template checked at start), with both keys: the
-    # backend is chosen per rollout by the client.
-    server.env.update(SANDBOX="e2b", E2B_API_KEY="e2b_chain_placeholder", DAYTONA_API_KEY="dtn_chain_placeholder",
-                      CHAIN_SDK_CALLS=str(root / "sdk_calls.jsonl"))
-    server.faults_file.write_text(json.dumps({tasks_of[backend][role]: {"create": fault}
-                                              for backend, faults in FAULTS.items() for role, fault in faults.items()}))
-    chain = Chain(root, tasks, policy, bucket, server)
-    chain.tasks_of = tasks_of
-    try:
-        server.start()
+    tasks_of: dict[str, dict[str, str]] = {}
+
+    def modes_of(names: list[str]) -> dict[str, list[str]]:  # five tasks per backend, by role
+        tasks_of.update({backend: dict(zip(plan, names[5 * i:], strict=False))
+                         for i, (backend, plan) in enumerate(PLANS.items())})
+        return {task: GROUP if role == "group" else ["right"]
+                for plan in tasks_of.values() for role, task in plan.items()}
+
+    def setup(server: envserver.EnvServer) -> None:
+        # The env server the job runs for SANDBOX=e2b (its preflight and template checked at start), with both keys:
+        # the client picks the backend per rollout.
+        server.env.update(SANDBOX="e2b", E2B_API_KEY="e2b_chain_placeholder", DAYTONA_API_KEY="dtn_chain_placeholder",
+                          CHAIN_SDK_CALLS=str(root / "sdk_calls.jsonl"))
+        refusals = {tasks_of[backend][role]: {"create": fault} for backend, faults in FAULTS.items()
+                    for role, fault in faults.items()}
+        server.faults_file.write_text(json.dumps(refusals))
+
+    with running(root, modes_of, n_hard=5, public=False, setup=setup) as chain:
+        chain.tasks_of = tasks_of
         yield chain
-    finally:
-        server.stop()
-        policy.stop()
-        bucket.stop()
 
 
 def sdk_calls(chain, backend: str) -> list[dict]:

@@ -138,11 +138,12 @@ SANDBOX_KEYS = {"daytona": {"DAYTONA_API_KEY": SANDBOX_CANARY},
 def test_a_daytona_or_e2b_launch_passes_its_key_as_a_secret_and_installs_its_extra(capsys, bundle, keys):
     sandbox = keys.split("-")[0]
     rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle), "--sandbox", sandbox],
-                            base_env(**SANDBOX_KEYS[keys]))
+                            base_env(**SANDBOX_KEYS[keys], DAYTONA_TARGET="eu"))
     assert rc == 0
     plan = json.loads(out)
     assert plan["job"]["secrets"] == dict.fromkeys(["HF_TOKEN", *SANDBOX_KEYS[keys]], launch.REDACTED)
     assert plan["job"]["env"]["SANDBOX"] == sandbox
+    assert plan["job"]["env"].get("DAYTONA_TARGET") == ("eu" if sandbox == "daytona" else None)  # the SDK reads it
     assert plan["install"] == ["requirements.txt", f"requirements-{sandbox}.txt"]
     assert f"requirements-{sandbox}.txt" in plan["upload"]["files"]
     # E2B's Hobby plan is below the recipe's in-flight rollouts: said in one line, not refused (docs/sandboxes.md).
