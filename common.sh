@@ -111,10 +111,16 @@ require_gpus() {
   done
 }
 
-# require_sandbox_credentials: SANDBOX is the one backend the job installs (recipe.py's check) and HF_TOKEN is set.
+# require_sandbox_credentials: SANDBOX is a backend the job installs and its key is set (recipe.py's checks, the
+# launcher's); the lines on what the backend's plan must allow (recipe.sandbox_notes) go to the log.
 require_sandbox_credentials() {
   env_knobs SANDBOX
-  [ -n "${HF_TOKEN:-}" ] || die "SANDBOX=$SANDBOX needs HF_TOKEN: pass it as a job secret"
+  py_check 'import recipe
+try:
+    recipe.sandbox_keys(sys.argv[2])
+except recipe.ConfigError as exc:
+    sys.exit(str(exc))
+print(*(f"note: {note}" for note in recipe.sandbox_notes(sys.argv[2])), sep="\n", end="")' "$SANDBOX"
 }
 
 # Runs a command, or prints it under DRY_RUN=1.
@@ -223,8 +229,11 @@ install_stack() {
       "$WORK_DIR/constraints.txt" "$tf_pin"
     grep -vE '^transformers' "$req" >"$WORK_DIR/requirements-rest.txt"
   fi
+  local backend  # SANDBOX=daytona|e2b: its Harbor extra and pins, resolved in the same pip call (recipe.SANDBOXES)
+  backend="$(py_check 'import recipe; print(recipe.SANDBOXES[sys.argv[2]]["requirements"] or "")' "$SANDBOX")"
   do_cmd "$PYTHON" -m pip install -q --no-deps "$tf_pin"
-  do_cmd "$PYTHON" -m pip install -q -c "$WORK_DIR/constraints.txt" -r "$WORK_DIR/requirements-rest.txt"
+  do_cmd "$PYTHON" -m pip install -q -c "$WORK_DIR/constraints.txt" -r "$WORK_DIR/requirements-rest.txt" \
+    ${backend:+-r "$HERE/$backend"}
   if dry_run; then
     STEP_NOTE="then check every pin and vllm==$(recipe VLLM_VERSION), pip check (less recipe.PIP_CHECK_ACCEPTED), import vllm.entrypoints.openai.api_server"
     return 0

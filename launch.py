@@ -54,7 +54,8 @@ SMOKE_SUFFIX = smoke_report.SMOKE_SUFFIX
 APP_DIR = "/app"
 # The bundle: top-level scripts and docs, the job's runtime pins, the frozen task lists. Nothing below
 # tests/, benchmarks/, .venv or caches (the globs are not recursive).
-BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
+BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json",
+                *(spec["requirements"] for spec in recipe.SANDBOXES.values() if spec["requirements"]))
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
 COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
                 "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
@@ -148,9 +149,10 @@ def bundle_files(bundle: Path) -> list[str]:
     return sorted(found)
 
 
-def check_bundle(bundle: Path, mode: str, files: list[str]) -> None:
-    """Every file the chosen job runs is in the bundle."""
-    needed = {MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES}
+def check_bundle(bundle: Path, mode: str, files: list[str], sandbox: str = recipe.SANDBOX) -> None:
+    """Every file the chosen job runs (and the chosen sandbox backend installs) is in the bundle."""
+    needed = {MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES} | {
+        recipe.SANDBOXES[sandbox]["requirements"]} - {None}
     missing = sorted(needed - set(files))
     if missing:
         raise recipe.ConfigError(f"the bundle in {bundle} lacks {', '.join(missing)}: run launch.py from a full "
@@ -351,7 +353,8 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     common.add_argument("--code-repo", default=env.get("CODE_REPO"),
                         help=f"repo the code bundle is uploaded to (env CODE_REPO; default <owner>/{CODE_REPO_NAME})")
     common.add_argument("--sandbox", default=env.get("SANDBOX", recipe.SANDBOX),
-                        help=f"task sandbox backend (env SANDBOX): only {recipe.SANDBOX}, the one the job installs")
+                        help=f"task sandbox backend (env SANDBOX): {', '.join(recipe.SANDBOXES)} (default "
+                             f"{recipe.SANDBOX}); daytona and e2b need their key, passed as a job secret")
     common.add_argument("--report-to", default=env.get("REPORT_TO", recipe.REPORT_TO),
                         help=f"training/eval dashboard: {', '.join(recipe.REPORTERS)} (env REPORT_TO, default "
                              f"{recipe.REPORT_TO})")
@@ -405,13 +408,19 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     check_bundle_dir(bundle)
     check_task_lists(bundle)
     files = bundle_files(bundle)
-    check_bundle(bundle, mode, files)
-    recipe.knob("SANDBOX", env, args.sandbox)
+    sandbox = recipe.knob("SANDBOX", env, args.sandbox)
+    check_bundle(bundle, mode, files, sandbox)
     recipe.knob("REPORT_TO", env, args.report_to)
     job_vars = job_env(mode, adapter_repo, args, env)
     recipe.check_together(job_vars, job_vars)  # what the job's own preflight would refuse, refused here
     secrets = {"HF_TOKEN": token}
-    said = {"notes": told} if (told := notes(mode, job_vars)) else {}
+    if sandbox != recipe.SANDBOX:  # the backend's key rides as a secret; the job installs its extra
+        secrets |= recipe.sandbox_keys(sandbox, env)
+        job_vars["SANDBOX"] = sandbox
+        job_vars |= {name: env[name].strip() for name in recipe.SANDBOXES[sandbox].get("settings", ())
+                     if env.get(name, "").strip()}
+    said = {"notes": told} if (told := notes(mode, job_vars) + recipe.sandbox_notes(sandbox)) else {}
+    said["install"] = ["requirements.txt", *([need] if (need := recipe.SANDBOXES[sandbox]["requirements"]) else [])]
     timeout = smoke_timeout(mode, args, job_vars)
     if mode == "smoke":  # what the job will do with its cap: the stage budget it checks itself against
         said["smoke_plan"] = smoke_report.plan(int(job_vars["MAX_STEPS"]))

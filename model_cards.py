@@ -98,8 +98,8 @@ def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
         ("Test tasks", f"`{r.TEST_DATASET}` @ `{r.TEST_REVISION}`: {r.TEST_TASKS} held out (no shared notebook "
                        "or question)"),
         ("Precision", f"trainer {r.TRAINER_DTYPE} (frozen base + LoRA), vLLM serves {r.SERVE_DTYPE}"),
-        ("Hardware", f"HF Jobs `{r.TRAIN_FLAVOR}` (trainer GPU {r.TRAINER_GPU}, vLLM GPU {r.VLLM_GPU}); one HF Sandbox "
-                     f"per rollout ({r.TASK_CPUS} CPU / {r.TASK_MEMORY_MB} MB)"),
+        ("Hardware", f"HF Jobs `{r.TRAIN_FLAVOR}` (trainer GPU {r.TRAINER_GPU}, vLLM GPU {r.VLLM_GPU}); one "
+                     f"`{r.knob('SANDBOX')}` sandbox per rollout ({r.TASK_CPUS} CPU / {r.TASK_MEMORY_MB} MB)"),
         ("Stack", f"{stack}, `{r.VLLM_IMAGE}`"),
     ]
 

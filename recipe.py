@@ -63,11 +63,22 @@ FREEZE_SEED = 20260101
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
 # Task data is pulled into each sandbox from this public bucket by the task's healthcheck.
 DATA_BUCKET = "AdithyaSK/jupyter-agent-kaggle-all"
-# Harbor sandbox backend for every rollout (train and eval): HF Sandboxes, no third-party account. The only one
-# offered: the job installs harbor[hf-sandbox] alone, and no other backend's rollout chain was ever run. harbor[daytona]
-# and harbor[e2b] do resolve beside vLLM 0.31's pins (pip --dry-run, 2026-12-01: 28 and 15 more packages), but with
-# neither installed nor checked, every rollout of SANDBOX=daytona|e2b failed at sandbox creation (issue 26).
+# Harbor sandbox backend for every rollout (train and eval), env SANDBOX: HF Sandboxes by default (no third-party
+# account: the HF token), or Daytona or E2B with their own key. Per backend: the keys Harbor's own preflight() asks for
+# (any one tuple, all of it set; the job gets them as secrets), the SDK's own settings passed on when set, and the
+# requirements run_job.sh installs beside requirements.txt (each resolved beside vLLM 0.31's pins, `pip check` clean:
+# tests/image_resolution.json). Reference: docs/sandboxes.md.
 SANDBOX = "hf-sandbox"
+SANDBOXES: dict[str, dict[str, Any]] = {
+    "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": None},
+    "daytona": {"keys": (("DAYTONA_API_KEY",), ("DAYTONA_JWT_TOKEN", "DAYTONA_ORGANIZATION_ID")),
+                "settings": ("DAYTONA_API_URL", "DAYTONA_TARGET"), "requirements": "requirements-daytona.txt"},
+    "e2b": {"keys": (("E2B_API_KEY",),), "requirements": "requirements-e2b.txt"},
+}
+# E2B's Hobby plan runs at most 20 sandboxes at once (and each for at most 1 h), fewer than the recipe's 32 rollouts
+# in flight: creates past it are refused as rate-limited and the rollout is unscorable. Warned, not refused: the plan
+# cannot be read off the key offline, and a Pro account runs the recipe as is.
+E2B_HOBBY_CONCURRENCY = 20
 # Tasks shipped with 1 GB were OOM-killed (exit 137) and scored as wrong: 4 GB fixes it.
 TASK_CPUS = 1
 TASK_MEMORY_MB = 4096
@@ -479,6 +490,28 @@ def require_token(env: dict[str, str] | None = None) -> str:
     return token
 
 
+def sandbox_keys(sandbox: str, env: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The key variables `sandbox` needs, from `env`: the first of its key sets that is set in full (Harbor's
+    preflight rule), as the secrets a job is given; ConfigError naming them when none is."""
+    env = os.environ if env is None else env
+    sets = SANDBOXES[sandbox]["keys"]
+    for names in sets:
+        if all(env.get(name, "").strip() for name in names):
+            return {name: env[name].strip() for name in names}
+    wanted = " (or ".join(" and ".join(names) for names in sets) + ")" * (len(sets) - 1)
+    raise ConfigError(f"SANDBOX={sandbox} needs {wanted}: set it (launch.py passes it to the job as a secret)")
+
+
+def sandbox_notes(sandbox: str) -> list[str]:
+    """What a backend's account must allow that the key does not show (one line each)."""
+    if sandbox != "e2b":
+        return []
+    return [f"E2B's Hobby plan runs at most {E2B_HOBBY_CONCURRENCY} sandboxes at once, and this job keeps "
+            f"{MAX_INFLIGHT_ROLLOUTS} rollouts in flight: on Hobby the creates past {E2B_HOBBY_CONCURRENCY} fail as "
+            "rate-limited (unscorable rollouts, and a streak stops the job); use a plan that allows "
+            f"{MAX_INFLIGHT_ROLLOUTS} (docs/sandboxes.md)"]
+
+
 # --- Environment knobs: one check each, shared by launch.py, the job scripts and the Python entry points ----
 TRUE_WORDS = ("1", "true", "yes", "on")
 FALSE_WORDS = ("0", "false", "no", "off")
@@ -604,8 +637,8 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "SPACE_HOST": ("", host_name),  # unset: run_job.sh / run_eval.sh derive it from JOB_ID
     "REPORT_TO": (REPORT_TO, functools.partial(_offered, choices=REPORTERS,
                                                why="the job installs Trackio and no other dashboard")),
-    "SANDBOX": (SANDBOX, functools.partial(_offered, choices=(SANDBOX,),
-                                           why="the job installs and checks only harbor[hf-sandbox]")),
+    "SANDBOX": (SANDBOX, functools.partial(_offered, choices=tuple(SANDBOXES),
+                                           why="the job installs and checks only these Harbor backends")),
 }
 
 

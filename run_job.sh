@@ -11,7 +11,7 @@
 #   HF_TOKEN                 required (job secret); never printed.
 #   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the recipe's ~40-minute smoke).  SAVE_STEPS=<SAVE_STEPS>
 #   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
-#   SANDBOX=<SANDBOX>        the only backend the job installs (daytona and e2b are refused).  REPORT_TO=<REPORT_TO>
+#   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).  REPORT_TO=<REPORT_TO>
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   WORK_DIR=/tmp/lfm-job    tasks, trainer output and recipe.py's work-folder files: heartbeat, train_log.json,
 #                            rollouts.json (a later trainer start keeps the earlier one's as rollouts.start-N.json).

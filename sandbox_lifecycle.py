@@ -1,13 +1,17 @@
-"""Sandbox lifecycle in production: the HF Sandbox idle timeout, per-rollout setup timing, and trial folder cleanup.
+"""Sandbox lifecycle in production: each backend's sandbox lifetime, per-rollout setup timing, trial folder cleanup.
 
-Idle timeout (env server side). Harbor 0.25's `HFSandboxEnvironment` turns its `job_timeout` constructor kwarg into
-huggingface_hub's `Sandbox.create(idle_timeout=...)`, 600 s when unset; huggingface_hub 1.33 does not count a running
-foreground command as activity, so an agent running past 10 minutes could lose its sandbox. OpenEnv 0.10.0 passes
-Harbor no environment kwargs (`openenv.harbor.rollout.build_trial_config`), so `apply_idle_timeout()` wraps Harbor's
-`EnvironmentFactory.create_environment_from_config` in the env server's process (seam_patch.py serve) to add
-`job_timeout=recipe.SANDBOX_IDLE_TIMEOUT_S` to every hf-sandbox trial's `EnvironmentConfig.kwargs` (an explicit one
-is kept); each trial's config.json records it. Patched there, not in OpenEnv: importing openenv.harbor.rollout takes
-seconds longer (gradio), and `seam_patch.py check` runs in every job.
+Lifetimes (env server side). OpenEnv 0.10.0 passes Harbor no environment kwargs (`build_trial_config`), and Harbor
+0.25's defaults outlive or undercut a trial: an HF Sandbox idles out after 600 s (huggingface_hub 1.33 does not count
+a running foreground command as activity, so an agent past 10 minutes loses it), a Daytona sandbox never stops
+(`auto_stop_interval_mins=0`: one orphaned by a crashed env server bills until deleted by hand), an E2B one lives a
+day. So `apply_idle_timeout()` wraps Harbor's `EnvironmentFactory.create_environment_from_config` in the env server's
+process (seam_patch.py serve) to add `lifetime_kwargs(backend)` to every trial's `EnvironmentConfig.kwargs` (explicit
+ones are kept; each trial's config.json records them): all bound a sandbox by recipe.SANDBOX_IDLE_TIMEOUT_S (the agent
+timeout, the setup budget and a margin), and a stopped Daytona sandbox is deleted. E2B builds a template per task
+(`{task}__{hash}`: 1,250 builds, the 8 rollouts of a group racing to build one); a prebuilt-image trial is pointed at
+one template per image and resources instead (`template_name`), built once at a time per env server. Patched there,
+not in OpenEnv: importing openenv.harbor.rollout takes seconds longer (gradio), and `seam_patch.py check` runs in
+every job. `verify_lifetime(backend)` builds a trial's environment as Harbor does and says what it will ask for.
 
 Timing and cleanup (trainer/eval side, after a rollout's trace is taken). `trial_timing(trial_dir)` reads Harbor's
 own result file (TrialResult) and returns each setup part in seconds; `finish_trial(trial_dir, failed=...)` removes a
@@ -19,7 +23,10 @@ names only.
 
 from __future__ import annotations
 
+import asyncio
 import functools
+import hashlib
+import re
 import shutil
 import stat
 import sys
@@ -42,6 +49,22 @@ IDLE_KWARG = "job_timeout"
 _PATCHED = "_idle_timeout_patched"
 
 
+def lifetime_kwargs(sandbox: str) -> dict[str, int]:
+    """Harbor's constructor kwargs that bound one trial's sandbox on `sandbox` (a recipe.SANDBOXES name)."""
+    seconds = recipe.SANDBOX_IDLE_TIMEOUT_S
+    return {"hf-sandbox": {IDLE_KWARG: seconds},  # -> Sandbox.create(idle_timeout=...)
+            # -> CreateSandboxFrom*Params(auto_stop_interval=..., auto_delete_interval=0: deleted once stopped)
+            "daytona": {"auto_stop_interval_mins": -(-seconds // 60), "auto_delete_interval_mins": 0},
+            "e2b": {"sandbox_timeout_secs": seconds}}[sandbox]  # -> AsyncSandbox.create(timeout=...)
+
+
+def template_name(image: str, cpus: float | None, memory_mb: int | None) -> str:
+    """The E2B template alias of a prebuilt image at given resources: all a template is built from (Harbor builds
+    `Template().from_image(image)` with them), so every task of the image can share it."""
+    readable = re.sub(r"[^a-z0-9]+", "-", f"{image.rsplit('/', 1)[-1]}-{cpus}cpu-{memory_mb}mb".lower()).strip("-")
+    return f"{readable[:48]}-{hashlib.sha256(f'{image}|{cpus}|{memory_mb}'.encode()).hexdigest()[:10]}"
+
+
 class LifecycleShapeError(RuntimeError):
     """The installed Harbor/OpenEnv/huggingface_hub are not the shape the idle-timeout patch was written against."""
 
@@ -52,44 +75,82 @@ def setup_seconds(timing: Mapping[str, float]) -> float | None:
     return sum(parts) if parts else None
 
 
-# --- idle timeout: env server process ------------------------------------------------------------------------------
+# --- lifetimes: env server process ----------------------------------------------------------------------------------
 def _check_shapes() -> None:
     """What the patch relies on, read off the installed packages; LifecycleShapeError otherwise."""
     import inspect
 
-    from harbor.environments import hf_sandbox
-    from harbor.environments.factory import EnvironmentFactory
+    from harbor.environments.factory import EnvironmentFactory, _load_environment_class
+    from harbor.models.environment_type import EnvironmentType
     from huggingface_hub import Sandbox
 
-    if IDLE_KWARG not in inspect.signature(hf_sandbox.HFSandboxEnvironment.__init__).parameters:
-        raise LifecycleShapeError(f"harbor's HFSandboxEnvironment no longer takes {IDLE_KWARG!r}: the idle-timeout "
-                                  "patch needs updating for this harbor version")
+    for sandbox in recipe.SANDBOXES:
+        environment = _load_environment_class(EnvironmentType(sandbox))  # imports without the backend's SDK
+        taken = inspect.signature(environment.__init__).parameters
+        if missing := [kwarg for kwarg in lifetime_kwargs(sandbox) if kwarg not in taken]:
+            raise LifecycleShapeError(f"harbor's {environment.__name__} no longer takes {missing[0]!r}: the lifetime "
+                                      "patch needs updating for this harbor version")
+        if sandbox == "e2b" and not all(callable(getattr(environment, name, None)) for name in _E2B_TEMPLATE):
+            raise LifecycleShapeError(f"harbor's {environment.__name__} has no {' or '.join(_E2B_TEMPLATE)}: the "
+                                      "shared-template patch needs updating for this harbor version")
     if "idle_timeout" not in inspect.signature(Sandbox.create).parameters:
         raise LifecycleShapeError("huggingface_hub's Sandbox.create no longer takes idle_timeout: the idle-timeout "
                                   "patch needs updating for this huggingface_hub version")
     if "config" not in inspect.signature(EnvironmentFactory.create_environment_from_config).parameters:
         raise LifecycleShapeError("harbor's EnvironmentFactory.create_environment_from_config no longer takes the "
-                                  "trial's environment config: the idle-timeout patch needs updating")
+                                  "trial's environment config: the lifetime patch needs updating")
+
+
+# Harbor's E2BEnvironment.start(): `if force_build or not await self._does_template_exist(): self._create_template()`.
+_E2B_TEMPLATE = ("_does_template_exist", "_create_template")
+# (event loop, template) -> the lock its check-and-build holds: the env server runs every rollout on one loop.
+_TEMPLATE_LOCKS: dict[tuple[int, str], asyncio.Lock] = {}
+_TEMPLATES_READY: set[str] = set()
+
+
+def _share_template(environment: Any) -> None:
+    """Point a prebuilt-image E2B trial at its image's template, checked (and built if missing) under one lock per
+    template: E2B's alias exists as soon as a build starts, so a rollout that only checked would create its sandbox
+    from a template still building."""
+    config = environment.task_env_config
+    name = template_name(config.docker_image, environment._effective_cpus, environment._effective_memory_mb)
+    environment._template_name = name
+    exists, build = (getattr(environment, attribute) for attribute in _E2B_TEMPLATE)
+
+    async def ready() -> bool:
+        lock = _TEMPLATE_LOCKS.setdefault((id(asyncio.get_running_loop()), name), asyncio.Lock())
+        async with lock:
+            if name not in _TEMPLATES_READY and not await exists():
+                await build()
+            _TEMPLATES_READY.add(name)
+        return True
+
+    environment._does_template_exist = ready
 
 
 def _with_idle_timeout(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Harbor's environment factory so an hf-sandbox trial's config carries the recipe's idle timeout."""
+    """Wrap Harbor's environment factory so a trial's config carries its backend's lifetime (lifetime_kwargs)."""
     from harbor.models.environment_type import EnvironmentType
 
     @functools.wraps(original)
     def create_environment_from_config(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
-        if config.type == EnvironmentType.HF_SANDBOX and IDLE_KWARG not in config.kwargs:
+        sandbox = config.type.value if config.type is not None and config.import_path is None else None
+        if sandbox in recipe.SANDBOXES:
             # On the trial's own config, so its config.json (written after this) records what was asked for.
-            config.kwargs = {**config.kwargs, IDLE_KWARG: recipe.SANDBOX_IDLE_TIMEOUT_S}
-        return original(config, *args, **kwargs)
+            config.kwargs = {**lifetime_kwargs(sandbox), **config.kwargs}
+        environment = original(config, *args, **kwargs)
+        if config.type == EnvironmentType.E2B and sandbox and environment.task_env_config.docker_image:
+            _share_template(environment)
+        return environment
 
     setattr(create_environment_from_config, _PATCHED, True)
     return create_environment_from_config
 
 
-def verify_idle_timeout() -> int:
-    """Build an hf-sandbox environment through Harbor's factory as a trial does (nothing starts); return the idle
-    timeout its start() will pass to Sandbox.create, or LifecycleShapeError if it is not the recipe's."""
+def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
+    """Build a `sandbox` environment through Harbor's factory as a trial does (nothing starts) and say what its start
+    will ask the backend for; LifecycleShapeError if that is not the recipe's lifetime (the patch is not in effect).
+    Daytona and E2B need their SDK installed here (the job's install step adds it)."""
     import tempfile
 
     from harbor.environments.factory import EnvironmentFactory
@@ -99,19 +160,36 @@ def verify_idle_timeout() -> int:
     from harbor.models.trial.paths import TrialPaths
 
     with tempfile.TemporaryDirectory() as probe:
-        environment = EnvironmentFactory.create_environment_from_config(
-            config=EnvironmentConfig(type=EnvironmentType.HF_SANDBOX), environment_dir=Path(probe),
-            environment_name="probe", session_id="probe__env", trial_paths=TrialPaths(Path(probe)),
-            task_env_config=TaskEnvironmentConfig(docker_image=recipe.TASK_IMAGE))
-    seconds = getattr(environment, "_idle_timeout", None)
-    if seconds != recipe.SANDBOX_IDLE_TIMEOUT_S:
-        raise LifecycleShapeError(f"an {EnvironmentType.HF_SANDBOX.value} trial would ask for idle_timeout={seconds}, "
-                                  f"not {recipe.SANDBOX_IDLE_TIMEOUT_S} s: the idle-timeout patch is not in effect")
-    return seconds
+        try:
+            environment = EnvironmentFactory.create_environment_from_config(
+                config=EnvironmentConfig(type=EnvironmentType(sandbox)), environment_dir=Path(probe),
+                environment_name="probe", session_id="probe__env", trial_paths=TrialPaths(Path(probe)),
+                task_env_config=TaskEnvironmentConfig(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS,
+                                                      memory_mb=recipe.TASK_MEMORY_MB))
+        except ImportError as error:  # Harbor's MissingExtraError: the backend's SDK is not installed
+            raise LifecycleShapeError(f"SANDBOX={sandbox} needs its SDK ({str(error).splitlines()[0]}): pip install -r "
+                                      f"{recipe.SANDBOXES[sandbox]['requirements']}") from None
+    asked = {"hf-sandbox": lambda: {IDLE_KWARG: environment._idle_timeout},
+             "daytona": lambda: {"auto_stop_interval_mins": environment._auto_stop_interval,
+                                 "auto_delete_interval_mins": environment._auto_delete_interval},
+             "e2b": lambda: {"sandbox_timeout_secs": environment._sandbox_timeout}}[sandbox]()
+    if asked != lifetime_kwargs(sandbox):
+        raise LifecycleShapeError(f"a {sandbox} trial would ask for {asked}, not {lifetime_kwargs(sandbox)}: the "
+                                  "lifetime patch is not in effect")
+    if sandbox == "daytona":
+        return (f"{sandbox} trials ask for auto_stop_interval={asked['auto_stop_interval_mins']} min and "
+                "auto_delete_interval=0 (deleted once stopped)")
+    if sandbox == "e2b":
+        if environment._template_name != template_name(recipe.TASK_IMAGE, recipe.TASK_CPUS, recipe.TASK_MEMORY_MB):
+            raise LifecycleShapeError(f"an e2b trial would build template {environment._template_name}, one per task: "
+                                      "the shared-template patch is not in effect")
+        return (f"{sandbox} trials ask for timeout={asked['sandbox_timeout_secs']} s; every task of "
+                f"{recipe.TASK_IMAGE} uses template {environment._template_name}")
+    return f"{sandbox} trials ask for idle_timeout={asked[IDLE_KWARG]} s"
 
 
 def apply_idle_timeout() -> bool:
-    """Patch this process's Harbor so every hf-sandbox trial gets the recipe's idle timeout; False if already done."""
+    """Patch this process's Harbor so every trial gets its backend's lifetime; False if already done."""
     from harbor.environments.factory import EnvironmentFactory
 
     if getattr(EnvironmentFactory.create_environment_from_config, _PATCHED, False):
@@ -119,7 +197,7 @@ def apply_idle_timeout() -> bool:
     _check_shapes()
     original = EnvironmentFactory.create_environment_from_config  # bound to the class
     EnvironmentFactory.create_environment_from_config = classmethod(_with_idle_timeout(original))
-    verify_idle_timeout()
+    verify_lifetime("hf-sandbox")  # the one backend whose SDK every install has
     return True
 
 

@@ -6,8 +6,9 @@ proxy and every model call gets 401. The proxy also reads `x-api-key`, and OpenC
 seam of the installed openenv 0.10.0 is wrapped in-process to add `headers: {"x-api-key": session}`
 next to the `apiKey` it already sets (kept: where nothing strips it, the Bearer is read first and is
 the session too). No installed file is edited; the env server is started through this module so the
-patch lives in the process that resolves seams. The same process also gets the HF Sandbox idle timeout
-(sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments.
+patch lives in the process that resolves seams. The same process also gets each backend's sandbox lifetime
+(sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments, and, for
+SANDBOX=daytona|e2b, Harbor's own preflight() of that backend (its key) and a check that its SDK is installed.
 
     python3 seam_patch.py check                                  # apply + verify, one line each
     python3 seam_patch.py serve -- harbor serve --llm-url ...    # apply, verify, run `openenv ...`
@@ -94,14 +95,22 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("openenv_args", nargs=argparse.REMAINDER, help="after `--`: arguments for `openenv`")
     args = parser.parse_args(argv)
     try:
+        sandbox = recipe.knob("SANDBOX")
         apply()
         verify()
         sandbox_lifecycle.apply_idle_timeout()
-        idle = sandbox_lifecycle.verify_idle_timeout()
-    except (SeamShapeError, sandbox_lifecycle.LifecycleShapeError) as exc:
+        if sandbox != recipe.SANDBOX:  # hf-sandbox's HF_TOKEN is the job's own first check
+            from harbor.environments.factory import EnvironmentFactory
+            from harbor.models.environment_type import EnvironmentType
+
+            EnvironmentFactory.run_preflight(EnvironmentType(sandbox))  # SystemExit with Harbor's line
+        lifetime = sandbox_lifecycle.verify_lifetime(sandbox)
+    except (SeamShapeError, sandbox_lifecycle.LifecycleShapeError, recipe.ConfigError) as exc:
         sys.exit(f"seam_patch: {exc}")
+    except SystemExit as exc:
+        sys.exit(f"seam_patch: Harbor's {sandbox} preflight: {exc.code}")
     print(f"seam_patch: {HARNESS} seam sends the capture session as apiKey and {HEADER}", flush=True)
-    print(f"seam_patch: {recipe.SANDBOX} trials ask for idle_timeout={idle} s", flush=True)
+    print(f"seam_patch: {lifetime}", flush=True)
     if args.action == "serve":
         rest = args.openenv_args[1:] if args.openenv_args[:1] == ["--"] else args.openenv_args
         from openenv.cli.__main__ import main as openenv_main

@@ -16,8 +16,8 @@
 #                            handed to the sandboxes), e.g. <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   POLICY_URL=http://<LOOPBACK>:<VLLM_PORT>   the vLLM the capture proxy forwards to (must be up).
 #   MODEL=<SERVED_MODEL_NAME>                   the name vLLM serves the policy under.
-#   SANDBOX=<SANDBOX>        the only backend the job installs (needs HF_TOKEN; daytona and e2b are refused);
-#                            checked here because this process runs the sandboxes.
+#   SANDBOX=<SANDBOX>        hf-sandbox, daytona or e2b, with its key (HF_TOKEN; DAYTONA_API_KEY; E2B_API_KEY):
+#                            checked here because this process runs the sandboxes (docs/sandboxes.md).
 #   ENV_HOST=<LOOPBACK>  ENV_PORT=<ENV_PORT>    env server; non-loopback needs ALLOW_NON_LOOPBACK=1.
 #   PUBLIC_HOST=0.0.0.0  PUBLIC_PORT=<PUBLIC_PORT>   capture gateway.
 #   MAX_CONCURRENT_ENVS=<ENV_MAX_SESSIONS>      env server sessions at once (OpenEnv's default of 4 fails rollouts).
@@ -30,6 +30,7 @@ source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 # Prints the env server's environment assignments, one per line (no secrets: those are inherited).
 server_env() {
   echo "SPACE_HOST=$SPACE_HOST"
+  echo "SANDBOX=$SANDBOX"
   echo "MAX_CONCURRENT_ENVS=${MAX_CONCURRENT_ENVS:-$(recipe ENV_MAX_SESSIONS)}"
   echo "OPENENV_HARBOR_AGENT_VERSIONS={\"opencode\": \"${OPENCODE_VERSION:-$(recipe OPENCODE_VERSION)}\"}"
   echo "ENABLE_WEB_INTERFACE=false"

@@ -115,9 +115,9 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
     sandbox = recipe.knob("SANDBOX", env)
     max_steps = recipe.knob("MAX_STEPS", env)
     capture_url = _url(env, "CAPTURE_URL", "")
-    if capture_url and sandbox == "hf-sandbox" and urlparse(capture_url).hostname in ("127.0.0.1", "localhost"):
+    if capture_url and urlparse(capture_url).hostname in ("127.0.0.1", "localhost"):  # every backend is remote
         raise recipe.ConfigError(
-            f"CAPTURE_URL={capture_url!r} is loopback, but SANDBOX=hf-sandbox runs agents on other machines: "
+            f"CAPTURE_URL={capture_url!r} is loopback, but SANDBOX={sandbox} runs agents on other machines: "
             "use the job's public URL, e.g. https://<job-id>--8000.hf.jobs/capture"
         )
     return Settings(

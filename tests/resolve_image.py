@@ -1,6 +1,6 @@
 """Regenerates tests/image_resolution.json and requirements-vllm.txt with pip's own resolver (needs PyPI).
 
-    .venv/bin/python tests/resolve_image.py
+    .venv/bin/python tests/resolve_image.py [--sandboxes]
 
 1. The image: `pip install --dry-run --ignore-installed --report` of `vllm==recipe.VLLM_VERSION` (this
    machine is what the job runs on: CPython 3.12, Linux x86_64), i.e. the set vLLM's requirements resolve to.
@@ -10,6 +10,11 @@
    `pip --python <that venv> install --dry-run --report -c <image_check.vllm_constraints> -r <the rest>`;
    what it would install is laid over the set.
 4. `pip check` on the result: the breaks the job will see (tests/test_image_install.py replays this offline).
+5. Each sandbox backend's requirements file (recipe.SANDBOXES: SANDBOX=daytona|e2b adds it to the install step's
+   pip call), resolved the same way over the set step 3 leaves, recorded as what it adds or changes and its
+   `pip check`; and once without the file's own pins (what they are for: the breaks without them).
+   `--sandboxes` redoes only this step, over the recorded set (the image's answer moves with PyPI; this keeps
+   the reviewed one).
 
 requirements-vllm.txt is the image's packages at their versions after the install step, less the GPU-only
 wheels: what setup.sh installs into .vllm/ so the tests can run vLLM's own Python code on CPU with the
@@ -95,10 +100,57 @@ def pip_check(python: Path) -> list[str]:
     return sorted(line for line in out.stdout.splitlines() if line.strip() and not line.startswith("No broken"))
 
 
+def backend_files(rest: list[str]) -> dict[str, tuple[Path, list[str]]]:
+    """Per sandbox backend: its requirements file and the lines of step 3's file plus it without its extra pins."""
+    out = {}
+    for sandbox, spec in recipe.SANDBOXES.items():
+        if spec["requirements"]:
+            path = ROOT / spec["requirements"]
+            bare = [line for line in path.read_text().splitlines()
+                    if norm(re.split(r"[\[<>=!~ ]", line, maxsplit=1)[0]) in ("harbor", norm(sandbox))]
+            out[sandbox] = (path, rest + bare)
+    return out
+
+
+def resolve_backends(rest: list[str], after: dict[str, dict], constraints: list[str]) -> dict[str, dict]:
+    """Step 5, for every backend: its requirements file installed the job's way (one pip call with requirements.txt, the
+    same constraints) over the packages the install step leaves (`after`), then `pip check`."""
+    found = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        tmp = Path(tmp)
+        python, site = fake_env(tmp / "job")
+        (tmp / "constraints.txt").write_text("\n".join(constraints) + "\n")
+        (tmp / "rest.txt").write_text("\n".join(rest) + "\n")
+        for sandbox, (path, bare_lines) in backend_files(rest).items():
+            entry: dict = {"requirements_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
+            variants = {"with": ["-r", str(tmp / "rest.txt"), "-r", str(path)]}
+            if len(bare_lines) < len(rest) + len(requirement_lines(path)):  # the file has pins of its own
+                (tmp / "bare.txt").write_text("\n".join(bare_lines) + "\n")
+                variants["without_pins"] = ["-r", str(tmp / "bare.txt")]
+            for key, args in variants.items():
+                lay_out(site, after)
+                step = resolve(["-c", str(tmp / "constraints.txt"), *args], python)
+                lay_out(site, {**after, **step})
+                changed = {n: p for n, p in step.items() if after.get(n, {}).get("version") != p["version"]}
+                entry[key] = {"packages": dict(sorted(changed.items())), "pip_check": pip_check(python)}
+            found[sandbox] = entry
+    return found
+
+
+def requirement_lines(path: Path) -> list[str]:
+    return [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
+
+
 def main() -> None:
+    rest = [line for line in recipe.REQUIREMENTS.read_text().splitlines() if not line.startswith("transformers")]
+    if sys.argv[1:] == ["--sandboxes"]:
+        recorded = json.loads(RESOLUTION.read_text())
+        recorded["sandboxes"] = resolve_backends(rest, recorded["after"], recorded["constraints"])
+        RESOLUTION.write_text(json.dumps(recorded, indent=1) + "\n")
+        report(recorded["sandboxes"])
+        return
     tf_pin = next(line.strip() for line in recipe.REQUIREMENTS.read_text().splitlines()
                   if line.startswith("transformers=="))
-    rest = [line for line in recipe.REQUIREMENTS.read_text().splitlines() if not line.startswith("transformers")]
     image = resolve(["--ignore-installed", f"vllm=={recipe.VLLM_VERSION}"])
     with tempfile.TemporaryDirectory() as tmp:
         python, site = fake_env(Path(tmp) / "image")
@@ -113,13 +165,14 @@ def main() -> None:
         after.update(step2)
         lay_out(site, after)
         breaks = pip_check(python)
+    sandboxes = resolve_backends(rest, after, constraints)
     changes = {name: [image.get(name, {}).get("version"), pkg["version"]] for name, pkg in sorted(after.items())
                if image.get(name, {}).get("version") != pkg["version"]}
     RESOLUTION.write_text(json.dumps({
         "vllm": recipe.VLLM_VERSION, "python": f"{sys.version_info.major}.{sys.version_info.minor}",
         "requirements_sha256": requirements_digest(), "constraints": constraints, "changes": changes,
         "pip_check": breaks, "image": {n: p["version"] for n, p in sorted(image.items())},
-        "after": dict(sorted(after.items())),
+        "after": dict(sorted(after.items())), "sandboxes": sandboxes,
     }, indent=1) + "\n")
     tier = sorted(f"{p['name']}=={p['version']}" for n, p in after.items() if n in image and not GPU_ONLY.match(n))
     TIER_REQUIREMENTS.write_text(
@@ -130,6 +183,15 @@ def main() -> None:
     print(f"image: {len(image)} packages; the install step changes {len(changes)}: "
           + ", ".join(f"{n} {a}->{b}" for n, (a, b) in changes.items()))
     print("pip check:", *breaks, sep="\n  ")
+    report(sandboxes)
+
+
+def report(sandboxes: dict[str, dict]) -> None:
+    for sandbox, entry in sandboxes.items():
+        for key, found in entry.items():
+            if key != "requirements_sha256":
+                print(f"SANDBOX={sandbox} ({key}): {len(found['packages'])} packages added or changed; pip check:",
+                      *found["pip_check"], sep="\n  ")
 
 
 if __name__ == "__main__":

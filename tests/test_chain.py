@@ -17,11 +17,13 @@ One server and one policy for the module; rollouts run concurrently. Needs root,
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import socket
 import ssl
 import time
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -93,32 +95,44 @@ class Chain:
         return out, train_rollouts.read_ledger(ledger)
 
 
-@pytest.fixture(scope="module")
-def chain(tmp_path_factory):
+@contextlib.contextmanager
+def running(root: Path, modes_of: Callable[[list[str]], dict[str, list[str]]], *, n_hard: int = 4,
+            public: bool = True, setup: Callable[[envserver.EnvServer], None] | None = None) -> Iterator[Chain]:
+    """The chain over `root`: 5 medium and `n_hard` prepared tasks, their data in the bucket, the tiny model's policy
+    playing `modes_of(task names)`, the env server (`setup` adjusts it before it starts); all stopped at the end."""
     from chain.bucket import Bucket
     from harbor_fixture import BUCKET, materialized
     from rehearsal.policy_server import PolicyServer, Script
     from tiny_lfm2 import save_tiny_model
 
-    root = tmp_path_factory.mktemp("chain")
-    tasks = materialized(root, n_medium=5, n_hard=4, n_test=1)
+    tasks = materialized(root, n_medium=5, n_hard=n_hard, n_test=1)
     names = sorted(p.name for p in (tasks / "train" / "tasks").iterdir())
     bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": b"x\n4.0\n4.4\n"} for name in names})
     model_dir = save_tiny_model(root / "model", vocab_size=envserver.CHAIN_VOCAB)
-    modes = {names[0]: ["right", "wrong", "none", "malformed", "right", "wrong", "right", "none"],  # the group
-             **{name: ["right"] for name in names[1:8]}, names[8]: ["loop"]}
     policy = PolicyServer(model_dir, served_name=MODEL, dtype="float32", max_model_len=envserver.POLICY_MAX_MODEL_LEN,
-                          script=Script(modes, RIGHT, WRONG))
+                          script=Script(modes_of(names), RIGHT, WRONG))
     policy.start()
-    server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url, public=True)
+    server = envserver.EnvServer(root, tasks / "train", policy.url, bucket.url, public=public)
     chain = Chain(root, tasks, policy, bucket, server)
     try:
+        if setup is not None:
+            setup(server)
         server.start()
         yield chain
     finally:
         server.stop()
         policy.stop()
         bucket.stop()
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory):
+    def modes_of(names: list[str]) -> dict[str, list[str]]:
+        return {names[0]: ["right", "wrong", "none", "malformed", "right", "wrong", "right", "none"],  # the group
+                **{name: ["right"] for name in names[1:8]}, names[8]: ["loop"]}
+
+    with running(tmp_path_factory.mktemp("chain"), modes_of) as chain:
+        yield chain
 
 
 @pytest.fixture(scope="module")

@@ -495,10 +495,10 @@ def test_run_eval_watch_runs_the_watcher_and_a_failed_eval_fails_the_job(tmp_pat
     ("eval_adapter.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "EVAL_CONCURRENCY": "x"},
      "eval_adapter: EVAL_CONCURRENCY='x' is not a whole number"),
     # Issue 26: the job installs only harbor[hf-sandbox]; another backend failed at every sandbox creation.
-    ("eval_adapter.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "SANDBOX": "daytona"},
-     "eval_adapter: SANDBOX='daytona' is not offered"),
-    ("eval_watch.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "SANDBOX": "e2b"},
-     "eval_watch: SANDBOX='e2b' is not offered"),
+    ("eval_adapter.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "SANDBOX": "modal"},
+     "eval_adapter: SANDBOX='modal' is not offered"),
+    ("eval_watch.py", {"ADAPTER_REPO": REPO, "HF_TOKEN": "x", "SANDBOX": "hf_sandbox"},
+     "eval_watch: SANDBOX='hf_sandbox' is not offered"),
 ])
 def test_entry_points_refuse_bad_input_with_one_line(script, env, line):
     import os

@@ -1,10 +1,12 @@
 """run_job.sh's install step against the vLLM image, offline: tests/image_resolution.json is pip's own answer
-(tests/resolve_image.py, with PyPI) for the image's packages and what the install step changes; here the
-result is laid out again as package metadata and real `pip check` runs on it, so the breaks the job will see,
-the job-side filter (image_check.py) and recipe.PIP_CHECK_ACCEPTED are checked against each other."""
+(tests/resolve_image.py, with PyPI) for the image's packages and what the install step changes, for each sandbox
+backend too (SANDBOX=daytona|e2b adds its requirements file); here the result is laid out again as package metadata
+and real `pip check` runs on it, so the breaks the job will see, the job-side filter (image_check.py) and
+recipe.PIP_CHECK_ACCEPTED are checked against each other."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import subprocess
 import sys
@@ -77,10 +79,14 @@ def test_job_filter_names_an_unlisted_break(resolution, after_install, monkeypat
 
 def test_vllms_ranges_hold_every_package_vllm_names(resolution):
     """Every package vLLM declares keeps a version inside vLLM's range after the install, except accepted ones."""
+    vllm_ranges_hold(resolution, resolution["after"])
+
+
+def vllm_ranges_hold(resolution: dict, packages: dict[str, dict]) -> None:
     from packaging.requirements import Requirement
 
     accepted = {dep for pkg, dep in recipe.PIP_CHECK_ACCEPTED if pkg == "vllm"}
-    after = {n: p["version"] for n, p in resolution["after"].items()}
+    after = {n: p["version"] for n, p in packages.items()}
     for text in resolution["after"]["vllm"]["requires_dist"]:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
@@ -90,6 +96,46 @@ def test_vllms_ranges_hold_every_package_vllm_names(resolution):
             assert after[name] not in req.specifier  # the break is real, and listed
         else:
             assert after[name] in req.specifier, f"{name} {after[name]} outside vLLM's {req.specifier}"
+
+
+# --- SANDBOX=daytona|e2b: the backend's requirements file in the same pip call ----------------------------------------
+BACKENDS = [sandbox for sandbox, spec in recipe.SANDBOXES.items() if spec["requirements"]]
+
+
+def backend_install(resolution: dict, sandbox: str, variant: str, folder: Path) -> tuple[dict, list[str]]:
+    """The job's packages after the install step with the backend's file (`variant`), and real `pip check` on them."""
+    packages = {**resolution["after"], **resolution["sandboxes"][sandbox][variant]["packages"]}
+    python, site = fake_env(folder)
+    lay_out(site, packages)
+    return packages, pip_check(python)
+
+
+@pytest.mark.parametrize("sandbox", BACKENDS)
+def test_a_backends_install_is_resolved_for_its_requirements_file(resolution, sandbox):
+    entry = resolution["sandboxes"][sandbox]
+    path = ROOT / recipe.SANDBOXES[sandbox]["requirements"]
+    assert entry["requirements_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), \
+        f"{path.name} changed: regenerate it: .venv/bin/python tests/resolve_image.py --sandboxes (needs PyPI)"
+    pinned = recipe.pinned_versions(path)[sandbox]  # the SDK release tests/chain's doubles are typed against
+    assert entry["with"]["packages"][sandbox]["version"] == pinned.removeprefix("==")
+    assert "harbor" not in entry["with"]["packages"]  # the extra adds the SDK, Harbor stays the stack's
+
+
+@pytest.mark.parametrize("sandbox", BACKENDS)
+def test_a_backends_install_breaks_nothing_but_the_accepted(resolution, sandbox, tmp_path):
+    packages, lines = backend_install(resolution, sandbox, "with", tmp_path / "env")
+    assert lines == resolution["sandboxes"][sandbox]["with"]["pip_check"]
+    assert image_check.unaccepted(image_check.parse_pip_check("\n".join(lines))) == []
+    vllm_ranges_hold(resolution, packages)
+
+
+def test_without_its_opentelemetry_pin_daytona_breaks_the_images_opentelemetry(resolution, tmp_path):
+    """What requirements-daytona.txt's pin is for: daytona's aiohttp instrumentation moves part of the OpenTelemetry
+    family to 1.45.1 under the image's 1.45.2 exporters, and the job's pip-check filter would stop the job."""
+    _, lines = backend_install(resolution, "daytona", "without_pins", tmp_path / "env")
+    left = image_check.unaccepted(image_check.parse_pip_check("\n".join(lines)))
+    assert len(left) == 5 and all(b.package.startswith("opentelemetry-") for b in left), lines
+    assert "opentelemetry-exporter-otlp" in recipe.pinned_versions(ROOT / "requirements-daytona.txt")
 
 
 @pytest.mark.parametrize(("line", "expected"), [

@@ -44,7 +44,7 @@ SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval
            "train_callbacks.py", "train_weight_sync.py", "train_rollouts.py", "run_eval_watch.sh", "eval_watch.py",
            "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
            "train_metrics.py", "model_cards.py", "smoke_report.py", "train_resume.py", "chat_template.py",
-           "sandbox_lifecycle.py", "harbor_sessions.py"]
+           "sandbox_lifecycle.py", "harbor_sessions.py", "requirements-daytona.txt", "requirements-e2b.txt"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -127,6 +127,35 @@ def test_dry_run_prints_the_recipe_spec(capsys, bundle, mode):
     assert steps[1].startswith(f"hf download {CODE} --revision ") and steps[1].endswith("--local-dir /app")
     assert steps[2] == f"bash /app/{script}"
     assert plan["upload"] == {"repo": CODE, "files": BUNDLE}
+
+
+SANDBOX_KEYS = {"daytona": {"DAYTONA_API_KEY": SANDBOX_CANARY},
+                "daytona-jwt": {"DAYTONA_JWT_TOKEN": SANDBOX_CANARY, "DAYTONA_ORGANIZATION_ID": "org-1"},
+                "e2b": {"E2B_API_KEY": SANDBOX_CANARY}}
+
+
+@pytest.mark.parametrize("keys", list(SANDBOX_KEYS))
+def test_a_daytona_or_e2b_launch_passes_its_key_as_a_secret_and_installs_its_extra(capsys, bundle, keys):
+    sandbox = keys.split("-")[0]
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle), "--sandbox", sandbox],
+                            base_env(**SANDBOX_KEYS[keys], DAYTONA_TARGET="eu"))
+    assert rc == 0
+    plan = json.loads(out)
+    assert plan["job"]["secrets"] == dict.fromkeys(["HF_TOKEN", *SANDBOX_KEYS[keys]], launch.REDACTED)
+    assert plan["job"]["env"]["SANDBOX"] == sandbox
+    assert plan["job"]["env"].get("DAYTONA_TARGET") == ("eu" if sandbox == "daytona" else None)  # the SDK reads it
+    assert plan["install"] == ["requirements.txt", f"requirements-{sandbox}.txt"]
+    assert f"requirements-{sandbox}.txt" in plan["upload"]["files"]
+    # E2B's Hobby plan is below the recipe's in-flight rollouts: said in one line, not refused (docs/sandboxes.md).
+    assert err == ("" if sandbox == "daytona" else f"launch.py: note: {recipe.sandbox_notes('e2b')[0]}\n")
+
+
+def test_the_default_backend_passes_no_sandbox_setting_and_installs_requirements_alone(capsys, bundle):
+    rc, out, _ = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)],
+                          base_env(DAYTONA_API_KEY=SANDBOX_CANARY))
+    plan = json.loads(out)
+    assert rc == 0 and "SANDBOX" not in plan["job"]["env"] and plan["install"] == ["requirements.txt"]
+    assert plan["job"]["secrets"] == {"HF_TOKEN": launch.REDACTED}  # another backend's key never leaves the machine
 
 
 def test_dry_run_cli_works_on_the_training_hub_without_network(bundle, tmp_path):
@@ -325,10 +354,17 @@ PREFLIGHT = {
     "tensorboard": ("train", _env(REPORT_TO="tensorboard"),
                     "REPORT_TO='tensorboard' is not offered (the job installs Trackio and no other dashboard): use "
                     "REPORT_TO=trackio (or none)"),
-    "daytona with its key": ("train", _env(SANDBOX="daytona", DAYTONA_API_KEY=SANDBOX_CANARY),
-                             "SANDBOX='daytona' is not offered (the job installs and checks only harbor[hf-sandbox]): "
-                             "use SANDBOX=hf-sandbox"),
-    "e2b with its key": ("eval-watch", _env(SANDBOX="e2b", E2B_API_KEY=SANDBOX_CANARY), "SANDBOX='e2b' is not offered"),
+    # Issue 42: daytona and e2b run, with their key; without it, one line naming it (Harbor's preflight rule).
+    "daytona without its key": ("train", _env(SANDBOX="daytona", E2B_API_KEY=SANDBOX_CANARY),
+                                "SANDBOX=daytona needs DAYTONA_API_KEY (or DAYTONA_JWT_TOKEN and "
+                                "DAYTONA_ORGANIZATION_ID): set it (launch.py passes it to the job as a secret)"),
+    "daytona jwt without its organization": ("smoke", _env(SANDBOX="daytona", DAYTONA_JWT_TOKEN=SANDBOX_CANARY),
+                                             "SANDBOX=daytona needs DAYTONA_API_KEY (or DAYTONA_JWT_TOKEN and"),
+    "e2b without its key": ("eval-watch", _env(SANDBOX="e2b", DAYTONA_API_KEY=SANDBOX_CANARY),
+                            "SANDBOX=e2b needs E2B_API_KEY: set it"),
+    "daytona's install file missing": ("train", lambda b, e: (e.update(SANDBOX="daytona", DAYTONA_API_KEY="k"),
+                                                               (b / "requirements-daytona.txt").unlink()),
+                                       "lacks requirements-daytona.txt"),
     "save steps past max steps": ("train", _env(MAX_STEPS="50", SAVE_STEPS="100"),
                                   "SAVE_STEPS=100 is more than MAX_STEPS=50: the run would push no checkpoint"),
     "stall limit under the watch interval": ("smoke", _env(STALL_MINUTES="0.1"),

@@ -80,10 +80,10 @@ def test_vllm_api_server_not_importing_stops_job(job):
         ({"ADAPTER_REPO": ""}, "ADAPTER_REPO is not set"),
         ({"ADAPTER_REPO": "not a repo"}, "ADAPTER_REPO='not a repo' is not a valid repo id"),
         ({"SANDBOX": "modal"}, "SANDBOX='modal' is not offered"),
-        # Issue 26: each started a paid job that could not succeed.
-        ({"SANDBOX": "daytona", "DAYTONA_API_KEY": "dtn_x"},
-         "SANDBOX='daytona' is not offered (the job installs and checks only harbor[hf-sandbox]): use SANDBOX="),
-        ({"SANDBOX": "e2b", "E2B_API_KEY": "e2b_x"}, "SANDBOX='e2b' is not offered"),
+        # Issue 42: daytona and e2b run with their key; without it the job stops before it installs anything.
+        ({"SANDBOX": "daytona", "E2B_API_KEY": "e2b_x"},
+         "SANDBOX=daytona needs DAYTONA_API_KEY (or DAYTONA_JWT_TOKEN and DAYTONA_ORGANIZATION_ID): set it"),
+        ({"SANDBOX": "e2b", "DAYTONA_API_KEY": "dtn_x"}, "SANDBOX=e2b needs E2B_API_KEY: set it"),
         ({"REPORT_TO": "tensorboard"}, "REPORT_TO='tensorboard' is not offered (the job installs Trackio and no other "
                                        "dashboard): use REPORT_TO=trackio (or none)"),
         ({"ADAPTER_REPO": "you/x--y"}, "ADAPTER_REPO='you/x--y' is not a valid repo id (the Hub's rule"),
@@ -122,7 +122,7 @@ def test_bad_input_stops_at_once(job, extra, message):
 SAME_LINE = [
     ({"HF_TOKEN": ""}, "HF_TOKEN is not set"),
     ({"ADAPTER_REPO": "you/x--y"}, "ADAPTER_REPO='you/x--y' is not a valid repo id"),
-    ({"SANDBOX": "daytona"}, "SANDBOX='daytona' is not offered"),
+    ({"SANDBOX": "daytona"}, "SANDBOX=daytona needs DAYTONA_API_KEY"),
     ({"REPORT_TO": "tensorboard"}, "REPORT_TO='tensorboard' is not offered"),
     ({"JOB_ID": ""}, "cannot derive the job's public host"),
     ({"JOB_ID": "a/b"}, "JOB_ID=a/b is not a job id"),

@@ -135,6 +135,56 @@ def test_the_patch_keeps_an_explicit_idle_timeout_leaves_other_backends_alone_an
     assert type(docker).__name__ == "DockerEnvironment" and config.kwargs == {}
 
 
+@pytest.mark.parametrize(("sandbox", "harbors_own"), [
+    ("daytona", {"_auto_stop_interval": 0, "_auto_delete_interval": 0}),  # 0: never stops (a crashed server's bill)
+    ("e2b", {"_sandbox_timeout": 86400})])
+def test_each_backends_lifetime_reaches_its_environment_only_through_the_patch(sandbox, harbors_own, tmp_path,
+                                                                              monkeypatch):
+    """Harbor's own defaults without the env server's patch; the recipe's bound with it (the SDK calls that carry them
+    are checked in tests/test_chain_backends.py)."""
+    keep_factory(monkeypatch)
+    for folder in ("bare", "patched"):
+        (tmp_path / folder).mkdir()
+    if not getattr(EnvironmentFactory.create_environment_from_config, sandbox_lifecycle._PATCHED, False):
+        bare, _ = environment_through_harbor(tmp_path / "bare", sandbox)
+        assert {name: getattr(bare, name) for name in harbors_own} == harbors_own
+        sandbox_lifecycle.apply_idle_timeout()
+    patched, config = environment_through_harbor(tmp_path / "patched", sandbox)
+    assert config.kwargs == sandbox_lifecycle.lifetime_kwargs(sandbox)
+    if sandbox == "daytona":
+        assert patched._auto_stop_interval * 60 >= recipe.SANDBOX_IDLE_TIMEOUT_S and patched._auto_delete_interval == 0
+    else:
+        assert patched._sandbox_timeout == recipe.SANDBOX_IDLE_TIMEOUT_S
+
+
+def test_every_e2b_task_of_one_image_and_size_shares_one_template(env_server_process, tmp_path):
+    """Harbor names a template per task ({task}__{hash}); the patch names it by what it is built from."""
+    names = set()
+    for task in ("task-a", "task-b"):
+        (tmp_path / task).mkdir()
+        environment, _ = environment_through_harbor(tmp_path / task, "e2b")
+        names.add(environment._template_name)
+    assert names == {sandbox_lifecycle.template_name(recipe.TASK_IMAGE, None, None)}  # no cpus/memory in this config
+    image = recipe.TASK_IMAGE
+    builds = [(image, 1, 4096), (image, 2, 4096), (image, 1, 8192), ("o:1", 1, 4096)]
+    assert len({sandbox_lifecycle.template_name(*build) for build in builds}) == len(builds)  # unlike ones: their own
+
+
+@pytest.mark.parametrize(("sandbox", "keys", "said"), [
+    ("daytona", {}, "seam_patch: Harbor's daytona preflight: Daytona requires either DAYTONA_API_KEY, or both"),
+    ("daytona", {"DAYTONA_JWT_TOKEN": "jwt"}, "seam_patch: Harbor's daytona preflight: Daytona requires"),
+    ("e2b", {}, "seam_patch: Harbor's e2b preflight: E2B requires E2B_API_KEY to be set"),
+    ("daytona", {"DAYTONA_API_KEY": "k"}, "daytona trials ask for auto_stop_interval=35 min and auto_delete_inter"),
+    ("e2b", {"E2B_API_KEY": "k"}, "e2b trials ask for timeout=2100 s; every task of "
+                                  f"{recipe.TASK_IMAGE} uses template env-data-agent-train-base-1cpu-4096mb-")])
+def test_the_env_server_runs_harbors_own_preflight_for_its_backend(sandbox, keys, said):
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DAYTONA_", "E2B_"))} | keys | {"SANDBOX": sandbox}
+    out = subprocess.run([sys.executable, str(ROOT / "seam_patch.py"), "check"], env=env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == (0 if "trials ask" in said else 1), out.stderr
+    assert said in (out.stdout if out.returncode == 0 else out.stderr.strip()) and out.stderr.count("\n") <= 1
+
+
 def test_seam_patch_check_says_the_idle_timeout_it_set(env_server_process, capsys):
     seam_patch.main(["check"])  # again: a second check changes nothing and says the same
     assert f"{recipe.SANDBOX} trials ask for idle_timeout={recipe.SANDBOX_IDLE_TIMEOUT_S} s" in capsys.readouterr().out

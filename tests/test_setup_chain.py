@@ -120,6 +120,9 @@ from harbor.environments import factory
 from harbor.models.environment_type import EnvironmentType
 {tamper}
 serve.register()
+from harbor.environments import e2b
+from harbor.environments.daytona import environment as daytona
+print(daytona.AsyncDaytona.__module__, e2b.AsyncSandbox.__module__, e2b.AsyncTemplate.__module__)
 entry = factory._ENVIRONMENT_REGISTRY[EnvironmentType.HF_SANDBOX]
 from harbor.agents.factory import AgentFactory
 from harbor.models.agent.name import AgentName
@@ -136,6 +139,18 @@ def test_the_chain_stand_ins_take_harbors_hf_sandbox_and_opencode_slots():
     out = register()
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-3:] == ["chain.sandbox", "BubblewrapEnvironment", "chain.agent:PinnedOpenCode"]
+
+
+def test_the_daytona_and_e2b_sdk_names_harbor_imports_become_the_doubles():
+    out = register()
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.splitlines()[-2].split() == ["chain.daytona_double", "chain.e2b_double", "chain.e2b_double"]
+
+
+def test_an_sdk_name_harbor_no_longer_imports_from_the_sdk_is_refused_in_one_line():
+    out = register("import harbor.environments.e2b as e; e.AsyncTemplate = object")
+    assert out.returncode == 1 and out.stderr.strip().count("\n") == 0
+    assert "harbor.environments.e2b.AsyncTemplate is not e2b.AsyncTemplate" in out.stderr
 
 
 def test_a_harbor_whose_private_tables_moved_is_refused_in_one_line():

@@ -155,7 +155,7 @@ def test_dashboard_names_come_from_the_adapter_repo_and_the_job():
     ({"SAVE_STEPS": "0"}, "SAVE_STEPS=0 is out of range"),
     ({"WEIGHT_SYNC": "lora"}, "WEIGHT_SYNC='lora' is not one of merge_free, stock"),
     ({"SANDBOX": "hf_sandbox"}, "SANDBOX='hf_sandbox' is not offered"),
-    ({"SANDBOX": "daytona"}, "SANDBOX='daytona' is not offered (the job installs and checks only harbor"),
+    ({"SANDBOX": "modal"}, "SANDBOX='modal' is not offered (the job installs and checks only these Harbor backends"),
     ({"RESUME": "maybe"}, "RESUME='maybe' is not a yes/no value"),
     ({"VLLM_URL": "localhost:8100"}, "VLLM_URL='localhost:8100' is not an http(s) URL"),
     ({"CAPTURE_URL": "http://127.0.0.1:8000/capture"}, "is loopback, but SANDBOX=hf-sandbox"),
