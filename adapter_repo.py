@@ -115,6 +115,19 @@ def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
     return {m.group(1): path for path in files if (m := _WATCH_RESULTS.match(path))}
 
 
+# --- The jobs that write a repo ----------------------------------------------------------------------------------------
+# The Jobs API's stages of a job that has not ended (huggingface_hub's JobStage).
+LIVE_STAGES = ("SCHEDULING", "RUNNING")
+TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the train and smoke launches)
+
+
+def live_jobs(api: Any, repo_id: str, script: str) -> list[Any]:
+    """The token owner's jobs, not ended, that run the bundle's `script` on `repo_id` (their ADAPTER_REPO), newest
+    first: what a second launch would write beside, and what an eval watcher watches."""
+    return [job for job in api.list_jobs(status=list(LIVE_STAGES))
+            if (job.environment or {}).get("ADAPTER_REPO") == repo_id and f"/{script}" in " ".join(job.command or [])]
+
+
 # --- Retry policy ----------------------------------------------------------------------------------------------------
 class Failure(RuntimeError):
     """A failure whose message already says what failed, the likely cause and the fix: printed as it is."""
