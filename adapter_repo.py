@@ -115,7 +115,7 @@ def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
     return {m.group(1): path for path in files if (m := _WATCH_RESULTS.match(path))}
 
 
-# --- The jobs that write a repo ----------------------------------------------------------------------------------------
+# --- The jobs that write a repo ---------------------------------------------------------------------------------------
 # The Jobs API's stages of a job that has not ended (huggingface_hub's JobStage).
 LIVE_STAGES = ("SCHEDULING", "RUNNING")
 TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the train and smoke launches)

@@ -157,6 +157,16 @@ EVAL_FLAVOR = "h200"
 EVAL_WATCH_TIMEOUT = "48h"
 EVAL_TIMEOUT = "12h"
 EVAL_WATCH_TASKS = 100  # Fixed test subset for the live learning curve.
+# What a run costs, typical and worst, each from its source (launch.py --dry-run; README "What it costs"). The
+# recipe's own figures: "h200x2 for ~10-25h (task-difficulty dependent) + thousands of cpu-basic sandbox-minutes" and
+# "MAX_STEPS=20 gives a ~40-min smoke run". benchmarks/README.md's rollout-pipeline simulation (TRL's own worker at
+# this recipe's 32 in flight and staleness 24, rollouts of 6-8 minutes typical): 27-47 h for 1,000 steps and 51-90
+# sandbox-minutes a step; its median rollout, 8 minutes, is an eval cell's sandbox time. The worst cases are the caps.
+RECIPE_TRAIN_HOURS = (10, 25)
+RECIPE_SMOKE_MINUTES = 40
+SIMULATED_TRAIN_HOURS = (27, 47)
+SIMULATED_SANDBOX_MINUTES_PER_STEP = (51, 90)
+TYPICAL_ROLLOUT_MINUTES = 8
 MAX_IDLE_HOURS = 6.0  # Eval watcher stops after this long without a new checkpoint.
 # An unscorable eval cell (infrastructure failure, not a wrong answer) is tried at most this often in all.
 EVAL_CELL_ATTEMPTS = 3

@@ -26,9 +26,9 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
-from collections.abc import Iterable
 import shutil
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx

@@ -174,7 +174,7 @@ def test_real_launch_uploads_the_bundle_and_calls_run_job(capsys, monkeypatch, b
     assert f"job id:       {job_id}" in out
     assert f"https://huggingface.co/jobs/alice/{job_id}" in out
     assert f"https://{job_id}--8000.hf.jobs/capture" in out
-    assert f".venv/bin/hf jobs logs -f {job_id}" in out  # the README's convention: hf is the venv's
+    assert f"uvx hf jobs logs -f {job_id}" in out and f"uvx hf jobs cancel {job_id}" in out  # uv is all it needs
     project = "LFM2.5-2.6B-opencode-lora-RL" + ("-smoke" if mode == "smoke" else "")
     assert (f"dashboard:    https://huggingface.co/spaces/alice/lfm-opencode-lora-rl-dashboard (Trackio project "
             f"{project})") in out
@@ -220,7 +220,8 @@ def test_flags_override_environment(capsys, bundle):
             "--adapter-repo", "org/adapter"]
     rc, out, _ = run_main(capsys, argv, base_env(MAX_STEPS="50"))
     plan = json.loads(out)
-    assert rc == 0 and plan["job"]["env"] == {"ADAPTER_REPO": "org/adapter", "MAX_STEPS": "300", "REPORT_TO": "trackio"}
+    assert rc == 0 and plan["job"]["env"] == {"ADAPTER_REPO": "org/adapter-300steps", "MAX_STEPS": "300",
+                                              "REPORT_TO": "trackio"}
     assert plan["upload"]["repo"] == "org/code" and "hf download org/code " in plan["job"]["command"][2]
 
 
@@ -458,6 +459,7 @@ def test_eval_watch_says_when_its_repo_does_not_exist_yet_and_what_the_watcher_w
                     "billed meanwhile); launch the training job for this repo too (it creates the repo when it "
                     "starts), or fix the name and relaunch")
     hub.create_repo(repo)
+    hub.end_job(job_ids(hub)[0], "CANCELED")
     rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, argv)
     assert rc == 0 and "note:" not in err and len(hub.jobs) == 2
 
@@ -605,13 +607,12 @@ def test_a_smoke_sized_train_launch_skips_the_full_final_eval_and_says_so(capsys
     rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="20"))
     done = json.loads(out)
     assert rc == 0 and done["job"]["env"]["FINAL_EVAL"] == "0"
-    assert err.count("\n") == 1 and err.startswith("launch.py: note: MAX_STEPS=20 on a train launch") \
-        and "run `launch.py smoke`" in err
+    assert err.count("\n") == 1 and "no 250-task final eval (FINAL_EVAL=0" in err and "run `launch.py smoke`" in err
     rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--final-eval", "1"],
                             base_env(MAX_STEPS="20"))
-    assert rc == 0 and json.loads(out)["job"]["env"]["FINAL_EVAL"] == "1" and err == ""
+    assert rc == 0 and json.loads(out)["job"]["env"]["FINAL_EVAL"] == "1" and "final eval" not in err
     rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], base_env(MAX_STEPS="21"))
-    assert rc == 0 and "FINAL_EVAL" not in json.loads(out)["job"]["env"] and err == ""
+    assert rc == 0 and "FINAL_EVAL" not in json.loads(out)["job"]["env"] and "final eval" not in err
 
 
 # The job scripts' own preflight runs the launcher's checks: same value, same line, before step 1.
@@ -663,3 +664,77 @@ def test_real_launch_offline_is_one_line_and_debug_shows_the_traceback(tmp_path)
     assert offline.one_line(bad, "launch.py") == ("launch.py: DEBUG='verbose' is not a yes/no value: use DEBUG=1 (or "
                                                   "true, yes, on) or DEBUG=0 (or false, no, off)")
     assert bad.returncode == 2
+
+
+# --- issue 43: nothing bills by surprise ------------------------------------------------------------------------------
+def job_ids(hub: RecordingHub) -> list[str]:
+    return [job.id for job in hub.list_jobs()][::-1]  # oldest first
+
+
+def test_a_second_job_on_the_same_adapter_repo_is_refused_naming_the_running_one(capsys, monkeypatch, bundle,
+                                                                                 tmp_path):
+    """Item 2: "relaunch a crashed or stalled job with the same command", but a stalled job may still run: two
+    training jobs would write one repo. The running one is named with the command that stops it."""
+    hub = RecordingHub(tmp_path / "hub")
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    assert rc == 0, err
+    [first] = job_ids(hub)
+    commits = len(hub.commits)
+    rc, out, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    assert rc == 2 and out == "" and err.count("\n") == 1, err
+    assert f"job {first} is still running run_job.sh on {ADAPTER}" in err and f"hf jobs cancel {first}" in err
+    assert len(hub.jobs) == 1 and len(hub.commits) == commits  # nothing uploaded, nothing started
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["eval-watch"])  # the watcher beside it is expected
+    assert rc == 0, err
+    hub.end_job(first, "ERROR")  # the crashed job has ended: the same command relaunches it
+    rc, _, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    assert rc == 0 and len(hub.jobs) == 3, err
+
+
+@pytest.mark.parametrize("writable", [CODE, ADAPTER])
+def test_write_access_to_both_repos_is_checked_before_anything_is_uploaded_or_started(capsys, monkeypatch, bundle,
+                                                                                      tmp_path, writable):
+    """Item 3: the job used to find a read-only ADAPTER_REPO after install, tasks and servers (~25 min of h200x2)."""
+    hub = RecordingHub(tmp_path / "hub")
+    hub.create_repo(ADAPTER)
+    hub.create_repo(CODE)
+    hub.token_role, hub.writable = "fineGrained", {writable}
+    rc, out, err = launch_real(capsys, monkeypatch, bundle, hub, ["train"])
+    refused = ADAPTER if writable == CODE else CODE
+    assert rc == 1 and out == "" and err.count("\n") == 1, err
+    assert err.startswith(f"launch.py: HF_TOKEN cannot write to {refused} (HTTP 403")
+    assert hub.jobs == [] and hub.commits == []
+
+
+@pytest.mark.parametrize("given", ["flag", "environment"])
+def test_a_short_train_goes_to_its_own_repo_and_says_so(capsys, bundle, given):
+    """Item 4: the recipe's "MAX_STEPS=20 ... do that first" through `train` (or an exported MAX_STEPS left in the
+    shell) used to finish a run in the real adapter repo, and the full run was then refused there."""
+    flag = ["--max-steps", "20"] if given == "flag" else []
+    env = base_env(**({"MAX_STEPS": "20"} if given == "environment" else {}))
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), *flag], env)
+    assert rc == 0, err
+    assert json.loads(out)["job"]["env"]["ADAPTER_REPO"] == f"{ADAPTER}-20steps"
+    [note] = err.splitlines()
+    assert note.startswith(f"launch.py: note: MAX_STEPS=20 ({'--max-steps' if flag else 'from the environment'}) is "
+                           f"below the recipe's 1000: this run trains into {ADAPTER}-20steps")
+    assert f"{ADAPTER} stays free for the full run" in note
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle)], base_env())
+    assert rc == 0 and json.loads(out)["job"]["env"]["ADAPTER_REPO"] == ADAPTER and err == ""
+
+
+@pytest.mark.parametrize("mode", list(EXPECTED))
+def test_every_dry_run_says_what_the_job_costs_with_sources_and_how_to_stop_it(capsys, bundle, mode):
+    """Item 5: GPU-hours and sandbox-minutes, typical and worst, each with where the number comes from."""
+    rc, out, err = run_main(capsys, [mode, "--dry-run", "--bundle-dir", str(bundle)], base_env())
+    assert rc == 0, err
+    cost = json.loads(out)["cost"]
+    for measure in ("gpu_hours", "sandbox_minutes"):
+        assert set(cost[measure]) == {"typical", "worst"}
+        assert all("(" in said and said[0].isdigit() for said in cost[measure].values()), cost[measure]
+    assert cost["stop"] == "uvx hf jobs cancel <job id>"
+    if mode == "train":
+        assert "recipe: 10-25 h" in cost["gpu_hours"]["typical"] and "27-47 h" in cost["gpu_hours"]["typical"]
+        assert cost["gpu_hours"]["worst"].startswith("144 (")
+    if mode == "smoke":
+        assert "recipe: ~40 min" in cost["gpu_hours"]["typical"]
