@@ -27,7 +27,7 @@ import recipe
 SPACE_URL = "https://huggingface.co/spaces/{}"
 # How trackio 0.43.0's init says it could not find or create the Space (it warns and logs locally instead of raising).
 _SPACE_NOT_PREPARED = "could not prepare Space"
-LOCAL = "local"  # DASHBOARD_SPACE value: no Space, Trackio logs on the machine only
+LOCAL = recipe.NO_SPACE
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
 
 
@@ -38,7 +38,7 @@ def reporter(env: Mapping[str, str]) -> str:
 
 def space(env: Mapping[str, str]) -> str | None:
     """The dashboard Space: a name (Trackio puts it under the token's owner) or owner/name; None logs locally only."""
-    value = env.get("DASHBOARD_SPACE", "").strip() or recipe.DASHBOARD_SPACE
+    value = recipe.knob("DASHBOARD_SPACE", env)
     return None if value == LOCAL else value
 
 

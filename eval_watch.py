@@ -37,6 +37,7 @@ from typing import Any
 
 import dashboard
 import recipe
+import trajectories
 from adapter_repo import (
     CURVE_PATH,
     FINAL,
@@ -212,7 +213,8 @@ class Watcher:
                      check=self.check_run)
 
     def publish_summary(self) -> dict[str, Any]:
-        """Recount eval/summary.json + the curve from the repo's per-checkpoint files, as one CAS commit."""
+        """Recount eval/summary.json + the curve from the repo's per-checkpoint files, and rebuild the trajectory page
+        with it, as one CAS commit."""
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
@@ -222,8 +224,10 @@ class Watcher:
             docs = {name: read_json(self.api, self.repo_id, path, revision=head)
                     for name, path in watched_checkpoints(files).items()}
             out["summary"] = build_summary(base_doc, docs)
+            page = trajectories.repo_docs(self.api, self.repo_id, revision=head) | {"summary": out["summary"]}
             return {SUMMARY_PATH: json.dumps(out["summary"], indent=1, sort_keys=True).encode(),
-                    CURVE_PATH: learning_curve_png(out["summary"])}
+                    CURVE_PATH: learning_curve_png(out["summary"]),
+                    trajectories.PAGE_PATH: trajectories.page(self.repo_id, page).encode()}
 
         commit_cas(self.api, self.repo_id, build, "eval: summary + learning curve")
         self.log_curve(out["summary"])

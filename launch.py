@@ -55,13 +55,13 @@ PROJECT = "lfm-opencode-lora-rl"
 CODE_REPO_NAME = f"{PROJECT}-code"
 SMOKE_SUFFIX = smoke_report.SMOKE_SUFFIX
 APP_DIR = "/app"
-# The bundle: top-level scripts and docs, the job's runtime pins, the frozen task lists. Nothing below
-# tests/, benchmarks/, .venv or caches (the globs are not recursive).
-BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json")
+# The bundle: the recipe's own upload patterns (`hf upload --include`), top-level scripts and docs and the frozen task
+# lists; nothing below tests/, benchmarks/, docs/ or set-up folders (Path.glob's * stays within one folder).
+BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
-COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
+COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py",
                 "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
-                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py")
+                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py", "trajectories.py")
 REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
@@ -308,45 +308,36 @@ def notes(mode: str, job: dict[str, str], args: argparse.Namespace, asked_repo: 
 
 def cost(mode: str, job: dict[str, str], timeout: str) -> dict[str, Any]:
     """GPU-hours and sandbox-minutes, typical and worst (the caps), each with its source (recipe.py's cost figures)."""
-    def num(*values: float) -> str:
-        return "-".join(dict.fromkeys(f"{round(value, 1):g}" for value in values))
-
-    gpus = 2 if MODES[mode]["flavor"] == recipe.TRAIN_FLAVOR else 1
-    cap_h = int(timeout[:-1]) / (1 if timeout.endswith("h") else 60)
+    gpus, cap, minutes = (2 if MODES[mode]["flavor"] == recipe.TRAIN_FLAVOR else 1), recipe.hours(timeout), \
+        recipe.TYPICAL_ROLLOUT_MINUTES
     sandboxes = recipe.MAX_INFLIGHT_ROLLOUTS if gpus == 2 else recipe.knob("EVAL_CONCURRENCY", job)
     plan = smoke_report.plan(int(job.get("MAX_STEPS") or recipe.SMOKE_STEPS)) if job["ADAPTER_REPO"].endswith(
         SMOKE_SUFFIX) else None
     steps = plan["steps"] if plan else int(job.get("MAX_STEPS") or recipe.MAX_STEPS)
-    if plan:
-        run = (plan["total_s"] / 3600,) * 2
-        said = (f"smoke_report.py plan: {smoke_report.duration(plan['total_s'])} typical; recipe: "
-                f"~{recipe.RECIPE_SMOKE_MINUTES} min of training")
-    else:
-        (r1, r2), (s1, s2) = ([steps * h / recipe.MAX_STEPS for h in hours]
-                              for hours in (recipe.RECIPE_TRAIN_HOURS, recipe.SIMULATED_TRAIN_HOURS))
-        run, said = (r1, s2), (f"recipe: {num(r1, r2)} h; benchmarks/README.md's rollout-pipeline simulation: "
-                               f"{num(s1, s2)} h")
-    rollout = recipe.TYPICAL_ROLLOUT_MINUTES
+    def span(low: float, high: float) -> str:
+        return "-".join(dict.fromkeys((f"{low:.3g}", f"{high:.3g}")))
+
+    r1, r2, s1, s2 = (steps * h / recipe.MAX_STEPS for h in (*recipe.RECIPE_TRAIN_HOURS, *recipe.SIMULATED_TRAIN_HOURS))
+    run, said = ((plan["total_s"] / 3600,) * 2, f"smoke_report.py plan: {smoke_report.duration(plan['total_s'])}; "
+                 f"recipe: ~{recipe.RECIPE_SMOKE_MINUTES} min of training") if plan else (
+        (r1, s2), f"recipe: {r1:g}-{r2:g} h; benchmarks/README.md's rollout-pipeline simulation: {s1:g}-{s2:g} h")
     if mode in ("train", "smoke"):
-        low, high = (steps * m for m in recipe.SIMULATED_SANDBOX_MINUTES_PER_STEP)
-        gpu_hours = f"{num(gpus * run[0], gpus * run[1])} ({said}; x {gpus} GPUs)"
-        minutes = (f"{low}-{high} (the simulation: {steps} steps x "
-                   f"{'-'.join(map(str, recipe.SIMULATED_SANDBOX_MINUTES_PER_STEP))} a step)")
-    elif mode == "eval-watch":
+        per_step = recipe.SIMULATED_SANDBOX_MINUTES_PER_STEP
+        gpu_hours = f"{span(gpus * run[0], gpus * run[1])} ({said}; x {gpus} GPUs)"
+        sandbox = f"{steps * per_step[0]}-{steps * per_step[1]} (the simulation: {per_step[0]}-{per_step[1]} a step)"
+    elif mode == "eval-watch":  # the base, every checkpoint and the final adapter, on N_TASKS
         evals = (len(plan["checkpoints"]) if plan else recipe.MAX_STEPS // recipe.SAVE_STEPS) + 2
-        gpu_hours = f"{num(*run)} (the training run it watches: {said}; it stops at that run's end)"
-        minutes = (f"{evals * int(job['N_TASKS']) * rollout} (base, each checkpoint and the final adapter: {evals} x "
-                   f"{job['N_TASKS']} tasks x {rollout} min, the simulation's median rollout)")
+        cells = evals * int(job["N_TASKS"])
+        gpu_hours = f"{span(*run)} (the run it watches: {said}; it stops at that run's end)"
+        sandbox = f"{cells * minutes} ({cells} cells x {minutes} min, the simulation's median rollout)"
     else:
         cells = 2 * recipe.TEST_TASKS
-        gpu_hours = (f"{num(-(-cells // sandboxes) * rollout / 60)} ({cells} cells in waves of {sandboxes} at the "
-                     f"simulation's median rollout, {rollout} min)")
-        minutes = f"{cells * rollout} ({cells} cells x {rollout} min)"
+        gpu_hours = f"{-(-cells // sandboxes) * minutes / 60:.2g} ({cells} cells, {sandboxes} at a time, {minutes} min)"
+        sandbox = f"{cells * minutes} ({cells} cells x {minutes} min, the simulation's median rollout)"
     return {"flavor": MODES[mode]["flavor"],
-            "gpu_hours": {"typical": gpu_hours,
-                          "worst": f"{num(gpus * cap_h)} (the job's {timeout} cap x {gpus} GPU{'s' * (gpus > 1)})"},
-            "sandbox_minutes": {"typical": minutes, "worst": f"{num(sandboxes * cap_h * 60)} ({sandboxes} sandboxes "
-                                                             f"busy for the whole {timeout})"},
+            "gpu_hours": {"typical": gpu_hours, "worst": f"{gpus * cap:g} (the job's {timeout} cap x {gpus} GPU)"},
+            "sandbox_minutes": {"typical": sandbox, "worst": f"{sandboxes * cap * 60:g} ({sandboxes} sandboxes busy "
+                                                            f"for the whole {timeout})"},
             "stop": f"{HF_CLI} jobs cancel <job id>"}
 
 
@@ -444,7 +435,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     common.add_argument("--dry-run", action="store_true",
                         help="print the job spec and the files to upload as JSON; touch nothing remote "
                              "(env DRY_RUN=1, or true/yes/on)")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train", parents=[common], help=f"full training run ({recipe.TRAIN_FLAVOR})")
     train.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
@@ -466,7 +457,11 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
             sub_parser.add_argument(f"--{name.lower().replace('_', '-')}", dest=name.lower(),
                                     help=f"passed to the job as {name} (env {name}; unset: the job's default, "
                                          f"{recipe.shell_value(recipe.ENV_KNOBS[name][0])})")
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would answer with the top-level usage; the subcommand's lists the flags that exist
+        dict(zip(MODES, (train, smoke, watch, evaluate), strict=True))[args.mode].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Callable[[], str | None],
@@ -491,6 +486,11 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     check_bundle(bundle, mode, files)
     recipe.knob("SANDBOX", env, args.sandbox)
     recipe.knob("REPORT_TO", env, args.report_to)
+    recipe.knob("DASHBOARD_SPACE", env, args.dashboard_space)
+    if env.get("MODEL", "").strip() not in ("", recipe.BASE_MODEL):  # read by train_lora.py and serve_policy.sh alone
+        raise recipe.ConfigError(f"MODEL={env['MODEL'].strip()!r} is not passed to the job: the recipe trains "
+                                 f"{recipe.BASE_MODEL} (its LoRA targets, chat template, tool parser and pinned "
+                                 "revision are that model's); unset MODEL")
     job_vars = job_env(mode, adapter_repo, args, env)
     recipe.check_together(job_vars, job_vars)  # what the job's own preflight would refuse, refused here
     secrets = {"HF_TOKEN": token}

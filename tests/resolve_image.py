@@ -45,9 +45,10 @@ def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements_digest() -> str:
-    """What the resolution depends on in this repo: the pins the job installs."""
-    return hashlib.sha256(recipe.REQUIREMENTS.read_bytes()).hexdigest()
+def requirements_digest(text: str = recipe.JOB_REQUIREMENTS) -> str:
+    """What the resolution depends on in this repo: the pins the job installs (their lines, comments left out)."""
+    pins = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return hashlib.sha256("\n".join(pin for pin in pins if pin).encode()).hexdigest()
 
 
 def pip(*args: str) -> subprocess.CompletedProcess:
@@ -96,9 +97,8 @@ def pip_check(python: Path) -> list[str]:
 
 
 def main() -> None:
-    tf_pin = next(line.strip() for line in recipe.REQUIREMENTS.read_text().splitlines()
-                  if line.startswith("transformers=="))
-    rest = [line for line in recipe.REQUIREMENTS.read_text().splitlines() if not line.startswith("transformers")]
+    tf_pin = next(line.strip() for line in recipe.JOB_REQUIREMENTS.splitlines() if line.startswith("transformers=="))
+    rest = [line for line in recipe.JOB_REQUIREMENTS.splitlines() if not line.startswith("transformers")]
     image = resolve(["--ignore-installed", f"vllm=={recipe.VLLM_VERSION}"])
     with tempfile.TemporaryDirectory() as tmp:
         python, site = fake_env(Path(tmp) / "image")

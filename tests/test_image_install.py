@@ -35,7 +35,7 @@ def after_install(resolution, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_resolution_is_for_this_recipe(resolution):
     assert resolution["vllm"] == recipe.VLLM_VERSION, REGENERATE
-    assert resolution["requirements_sha256"] == requirements_digest(), f"requirements.txt changed: {REGENERATE}"
+    assert resolution["requirements_sha256"] == requirements_digest(), f"recipe.JOB_REQUIREMENTS changed: {REGENERATE}"
     assert resolution["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
 
 

@@ -42,9 +42,9 @@ EXPECTED = {
 SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
            "train_callbacks.py", "train_weight_sync.py", "train_rollouts.py", "run_eval_watch.sh", "eval_watch.py",
-           "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "requirements.txt", "dashboard.py",
+           "run_eval.sh", "launch.py", "export_adapter.py", "README.md", "dashboard.py",
            "train_metrics.py", "model_cards.py", "smoke_report.py", "train_resume.py", "chat_template.py",
-           "sandbox_lifecycle.py", "harbor_sessions.py"]
+           "sandbox_lifecycle.py", "harbor_sessions.py", "trajectories.py"]
 BUNDLE = sorted([*SCRIPTS, "data/train.json", "data/test.json"])
 
 
@@ -311,7 +311,7 @@ PREFLIGHT = {
                     "share name 'train-task-0009'"),
     "train script missing": ("train", _remove("run_job.sh"), "lacks run_job.sh"),
     "watch script missing": ("eval-watch", _remove("eval_watch.py"), "lacks eval_watch.py"),
-    "common file missing": ("eval", _remove("requirements.txt"), "lacks requirements.txt"),
+    "common file missing": ("eval", _remove("image_check.py"), "lacks image_check.py"),
     "steps zero": ("train", _env(MAX_STEPS="0"), "MAX_STEPS=0 is out of range"),
     "steps text": ("train", _env(MAX_STEPS="lots"), "MAX_STEPS='lots' is not a whole number"),
     "steps beyond tasks": ("train", _env(MAX_STEPS="1001"), "MAX_STEPS=1001 is out of range: use 1..1000"),
@@ -332,8 +332,6 @@ PREFLIGHT = {
     "e2b with its key": ("eval-watch", _env(SANDBOX="e2b", E2B_API_KEY=SANDBOX_CANARY), "SANDBOX='e2b' is not offered"),
     "save steps past max steps": ("train", _env(MAX_STEPS="50", SAVE_STEPS="100"),
                                   "SAVE_STEPS=100 is more than MAX_STEPS=50: the run would push no checkpoint"),
-    "stall limit under the watch interval": ("smoke", _env(STALL_MINUTES="0.1"),
-                                             "WATCH_INTERVAL=30 is too long: the watchdog sees a stall"),
     "eval concurrency past env sessions": ("eval", _env(EVAL_CONCURRENCY="65"),
                                            "EVAL_CONCURRENCY=65 is out of range: use 1..64"),
     "bundle dir missing": ("train", lambda b, e: shutil.rmtree(b), "is not a folder: point --bundle-dir"),
@@ -347,6 +345,18 @@ PREFLIGHT = {
     "final eval word": ("train", _env(FINAL_EVAL="maybe"), "FINAL_EVAL='maybe' is not a yes/no value"),
     "idle hours text": ("eval-watch", _env(MAX_IDLE_HOURS="six"), "MAX_IDLE_HOURS='six' is not a positive number"),
     "concurrency text": ("eval", _env(EVAL_CONCURRENCY="x"), "EVAL_CONCURRENCY='x' is not a whole number"),
+    # Issue 43 (13): each of these was accepted without a word.
+    "dashboard space with two slashes": ("train", _env(DASHBOARD_SPACE="a/b/c"),
+                                         "DASHBOARD_SPACE='a/b/c' is not a Space name"),
+    "model the launcher does not pass": ("train", _env(MODEL="Qwen/Qwen3-4B"),
+                                         "MODEL='Qwen/Qwen3-4B' is not passed to the job"),
+    "a checkpoint every step": ("train", _env(SAVE_STEPS="1"), "SAVE_STEPS=1 would push 1000 checkpoints"),
+    "stall limit under a rollout's call limit": ("train", _env(STALL_MINUTES="5"),
+                                                 "STALL_MINUTES=5 is out of range: use 30..4320"),
+    "stall limit past the job's cap": ("smoke", _env(STALL_MINUTES="1e308"),
+                                       "STALL_MINUTES=1e+308 is out of range: use 30..4320"),
+    "idle limit past the job's cap": ("eval-watch", _env(MAX_IDLE_HOURS="1e308"),
+                                      "MAX_IDLE_HOURS=1e+308 is out of range: use at most 48"),
 }
 
 
@@ -577,9 +587,9 @@ def test_dry_run_off_words_launch_for_real(capsys, monkeypatch, bundle, tmp_path
 def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
     env = base_env(SAVE_STEPS="50", RESUME="true", WEIGHT_SYNC="stock", STALL_MINUTES="45", FINAL_EVAL="no",
                    MAX_IDLE_HOURS="12", EVAL_CONCURRENCY="8")
-    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--save-steps", "25"], env)
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--save-steps", "75"], env)
     assert rc == 0, err
-    assert json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "SAVE_STEPS": "25",
+    assert json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "SAVE_STEPS": "75",
                                              "RESUME": "1", "WEIGHT_SYNC": "stock", "STALL_MINUTES": "45",
                                              "FINAL_EVAL": "0", "REPORT_TO": "trackio"}
     rc, out, err = run_main(capsys, ["eval-watch", "--dry-run", "--bundle-dir", str(bundle)], env)
@@ -738,3 +748,110 @@ def test_every_dry_run_says_what_the_job_costs_with_sources_and_how_to_stop_it(c
         assert cost["gpu_hours"]["worst"].startswith("144 (")
     if mode == "smoke":
         assert "recipe: ~40 min" in cost["gpu_hours"]["typical"]
+
+
+# --- issue 43, items 7 and 12: the recipe's own upload, and dry runs from a checkout ----------------------------------
+RECIPE_UPLOAD = ["*.py", "*.sh", "*.md", "data/*.json"]  # the recipe's `hf upload . --include ...`, as written
+DOT_FOLDERS = (".venv", ".vllm", ".opencode", ".chain-image")
+
+
+def set_up_checkout(tmp_path: Path) -> Path:
+    """A clone after `bash setup.sh`: the tracked files, and setup.sh's folders where its own function puts them, each
+    holding the kind of files a real set-up leaves there (tens of thousands of *.py and *.md in all)."""
+    from test_setup_chain import setup_functions
+
+    root = tmp_path / "checkout"
+    tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    for name in tracked.split():
+        (root / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, root / name)
+    subprocess.run(["bash", "-c", setup_functions() + "place_local_folders"], cwd=root, check=True, timeout=30,
+                   env={"PATH": os.environ["PATH"], "HOME": str(tmp_path / "home")})
+    for folder in DOT_FOLDERS:
+        for inside in ("lib/site.py", "bin/activate.sh", "node_modules/pkg/README.md", "root/usr/lib/x.py"):
+            (root / folder / inside).parent.mkdir(parents=True, exist_ok=True)
+            (root / folder / inside).write_text("# part of the set-up, not of the bundle\n")
+    return root
+
+
+def recipe_upload(folder: Path) -> list[str]:
+    """What `hf upload REPO . --include ...` takes from `folder`: HfApi.upload_folder's listing (`glob("**/*")`, files
+    only) through huggingface_hub's own filter, with its default ignore patterns."""
+    from huggingface_hub.utils import filter_repo_objects
+    from huggingface_hub.utils._paths import DEFAULT_IGNORE_PATTERNS
+
+    listed = [p.relative_to(folder).as_posix() for p in sorted(folder.glob("**/*")) if p.is_file()]
+    return list(filter_repo_objects(listed, allow_patterns=RECIPE_UPLOAD, ignore_patterns=DEFAULT_IGNORE_PATTERNS))
+
+
+def test_the_recipes_own_upload_from_a_set_up_checkout_gives_a_bundle_that_runs(tmp_path):
+    """Item 7: the recipe's patterns left out requirements.txt (the job then stopped at "requirements.txt has no
+    transformers== pin"), and after `bash setup.sh` they took 41,206 files, 530 MB (fnmatch's `*` crosses `/`)."""
+    checkout = set_up_checkout(tmp_path)
+    taken = recipe_upload(checkout)
+    assert [name for name in taken if name.startswith(DOT_FOLDERS)] == []
+    needed = {spec["script"] for spec in launch.MODES.values()} | set(launch.COMMON_FILES) | {
+        name for spec in launch.MODES.values() for name in spec["needs"]}
+    assert needed <= set(taken) and {"data/train.json", "data/test.json"} <= set(taken)
+    bundle = tmp_path / "app"  # what the recipe's job command downloads to /app
+    for name in taken:
+        (bundle / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(checkout / name, bundle / name)
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "PYTHON": sys.executable,  # the image's python3
+           "DRY_RUN": "1", "ADAPTER_REPO": ADAPTER, "HF_TOKEN": CANARY, "JOB_ID": "68a0", "MAX_STEPS": "1000"}
+    proc = subprocess.run(["bash", str(bundle / "run_job.sh")], env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "run_job: done" in proc.stdout and CANARY not in proc.stdout + proc.stderr
+
+
+def test_shell_dry_runs_from_a_checkout_use_its_own_environment(tmp_path):
+    """Item 12: a bare `python3` (here Debian's, without the stack) made every dry run fail with a wrong fix
+    ("huggingface_hub is not installed; pip install ..."): from a checkout the scripts use its .venv."""
+    env = {"PATH": "/usr/bin:/bin", "HOME": str(tmp_path), "DRY_RUN": "1", "ADAPTER_REPO": ADAPTER,
+           "HF_TOKEN": CANARY, "JOB_ID": "68a0", "LOG_DIR": str(tmp_path / "logs")}
+    for script in ("run_job.sh", "run_eval.sh", "run_eval_watch.sh"):
+        proc = subprocess.run(["bash", str(ROOT / script)], env=env, capture_output=True, text=True, timeout=120)
+        assert proc.returncode == 0, (script, proc.stderr[-2000:])
+        assert f"{ROOT}/.venv/bin/python" in proc.stdout
+
+
+def test_an_unknown_flag_shows_the_subcommands_usage(capsys):
+    """Item 14: argparse's parent parser used to answer a subcommand's unknown flag with the top-level usage."""
+    with pytest.raises(SystemExit) as exit_:
+        launch.main(["train", "--steps", "20"], env=base_env(), make_api=refuse_api, stored_token=lambda: None)
+    err = capsys.readouterr().err
+    assert exit_.value.code == 2 and err.startswith("usage: launch.py train ")
+    assert "unrecognized arguments: --steps 20" in err
+
+
+def test_a_smoke_below_its_least_steps_is_told_the_least(capsys, bundle):
+    """Item 14: `smoke --max-steps 1` was told to use `train --max-steps 1` "for a longer run"."""
+    rc, out, err = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle), "--max-steps", "1"], base_env())
+    assert rc == 2 and err.count("\n") == 1 and "longer" not in err
+    assert "MAX_STEPS=1 is too few for a smoke run: use 2..20 (a checkpoint, a stop, a resume and a step after it)" \
+        in err
+
+
+def test_the_readme_states_the_costs_every_dry_run_prints(capsys, bundle):
+    """Item 5: one table of cost and time in the README, typical and worst, agreeing with the dry runs' `cost`."""
+    readme = (ROOT / "README.md").read_text()
+    table = readme[readme.index("**What it costs**"):readme.index("Use the adapter with")]
+
+    def spelled(figure: str) -> str:  # "51000-90000 (..." -> "51,000-90,000"
+        return "-".join(f"{float(n):,.10g}" for n in figure.split(" ", 1)[0].split("-"))
+
+    for mode in EXPECTED:
+        rc, out, _ = run_main(capsys, [mode, "--dry-run", "--bundle-dir", str(bundle)], base_env())
+        cost = json.loads(out)["cost"]
+        row = next(line for line in table.splitlines() if line.startswith(f"| `{mode}` "))
+        assert spelled(cost["sandbox_minutes"]["typical"]) in row or mode == "smoke", (row, cost)
+        assert cost["gpu_hours"]["worst"].split(" (the job's ")[1].split(" ")[0].replace("h", " h") in row
+        if mode == "train":
+            assert f"{spelled(cost['gpu_hours']['typical'])} GPU-hours" in row
+            worst = f"{spelled(cost['gpu_hours']['worst'])} GPU-hours, {spelled(cost['sandbox_minutes']['worst'])}"
+            assert worst in row
+    plan = smoke_report.plan()
+    assert f"| `smoke` (h200x2) | {plan['total_s'] // 3600} h {plan['total_s'] % 3600 // 60} min" in table
+    lo, hi = recipe.RECIPE_TRAIN_HOURS
+    assert f"{lo}-{hi} h (the recipe)" in table and f"~{recipe.RECIPE_SMOKE_MINUTES} min" in table
+    assert "uvx hf jobs cancel <job id>" in readme
