@@ -6,6 +6,9 @@
     eval/checkpoint-N_full_results.json       full eval of checkpoint-N
     eval/watch/base.json, eval/watch/<checkpoint>.json   the watcher's cells on its fixed subset (eval_watch.py)
     eval/summary.json, eval/learning_curve.png           the watcher's rolling summary and curve
+    logs/<job>/...                            each training job's work-folder records, pushed with every checkpoint:
+                                              train_log.json, rollouts*.json, rollout_log.jsonl, trajectories/
+    trajectories.html                         the trajectory page (trajectories.py), rebuilt by each push and summary
 
 Each file has one writer, so two writers never mix schemas or task sets in one file. Every write is one
 commit, retried with waits only on what is transient (HTTP 408/429/5xx, connection errors, timeouts; 409 while
@@ -45,6 +48,7 @@ ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json",
                         recipe.ROLLOUT_STATE)
 EVAL_DIR = "eval"
+LOGS_DIR = "logs"
 WATCH_DIR = f"{EVAL_DIR}/watch"
 WATCH_BASE_PATH = f"{WATCH_DIR}/base.json"
 SUMMARY_PATH = f"{EVAL_DIR}/summary.json"
@@ -113,6 +117,19 @@ def watch_results_path(checkpoint: str) -> str:
 def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
     """{checkpoint: path} of the watcher's per-checkpoint results among `files`."""
     return {m.group(1): path for path in files if (m := _WATCH_RESULTS.match(path))}
+
+
+# --- The jobs that write a repo ---------------------------------------------------------------------------------------
+# The Jobs API's stages of a job that has not ended (huggingface_hub's JobStage).
+LIVE_STAGES = ("SCHEDULING", "RUNNING")
+TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the train and smoke launches)
+
+
+def live_jobs(api: Any, repo_id: str, script: str) -> list[Any]:
+    """The token owner's jobs, not ended, that run the bundle's `script` on `repo_id` (their ADAPTER_REPO), newest
+    first: what a second launch would write beside, and what an eval watcher watches."""
+    return [job for job in api.list_jobs(status=list(LIVE_STAGES))
+            if (job.environment or {}).get("ADAPTER_REPO") == repo_id and f"/{script}" in " ".join(job.command or [])]
 
 
 # --- Retry policy ----------------------------------------------------------------------------------------------------
@@ -360,11 +377,12 @@ def require_write_access(api: Any, repo_id: str) -> None:
 
 
 def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, ignore: tuple[str, ...] = (),
-                marker: bool = False, backoff_s: float = recipe.PUSH_BACKOFF_S,
-                sleep: Callable[[float], None] | None = None) -> list[str]:
+                marker: bool = False, also: Mapping[str, Path | bytes] | None = None,
+                backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> list[str]:
     """Upload `folder` as one commit (it lands whole or not at all); return the repo paths written.
 
-    With `marker`, the commit ends with COMPLETE_MARKER listing every file and its size.
+    With `marker`, the commit ends with COMPLETE_MARKER listing every file and its size; `also` ({repo path: file or
+    bytes}) goes into the same commit, outside the folder and its marker.
     """
     from huggingface_hub import CommitOperationAdd
 
@@ -374,6 +392,8 @@ def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, igno
     if marker:
         listing = {p.relative_to(folder).as_posix(): p.stat().st_size for p in files}
         ops.append(CommitOperationAdd(f"{prefix}{COMPLETE_MARKER}", json.dumps({"files": listing}).encode()))
+    ops[:0] = [CommitOperationAdd(name, data if isinstance(data, bytes) else str(data))  # the marker stays last
+               for name, data in (also or {}).items()]
     commit(api, repo_id, ops, f"Upload {path_in_repo.strip('/') or 'final adapter'}", backoff_s=backoff_s,
            sleep=sleep)
     logger.info("pushed %s to %s (%d files)", path_in_repo or "/", repo_id, len(ops))

@@ -16,6 +16,7 @@ at start-up instead of silently halving the groups a step trains.
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import sys
 from pathlib import Path
@@ -76,10 +77,12 @@ def template_text() -> str:
     loaded machine, on serve_policy.sh's path to vLLM's start)."""
     spec = importlib.util.find_spec("trl")
     if spec is None or not spec.submodule_search_locations:
-        raise ChatTemplateError("trl is not installed: install requirements.txt (trl 1.15.0 ships the template)")
+        raise ChatTemplateError("trl is not installed: install the recipe's pins (`python3 recipe.py --requirements`; "
+                                "trl 1.15.0 ships the template)")
     path = Path(next(iter(spec.submodule_search_locations))) / "chat_templates" / TRL_TEMPLATE_FILE
     if not path.is_file():
-        raise ChatTemplateError(f"trl has no chat_templates/{TRL_TEMPLATE_FILE}: install requirements.txt's trl")
+        raise ChatTemplateError(f"trl has no chat_templates/{TRL_TEMPLATE_FILE}: install the recipe's trl "
+                                "(recipe.JOB_REQUIREMENTS)")
     return path.read_text(encoding="utf-8")
 
 
@@ -91,16 +94,17 @@ def chat_template() -> str:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 1:
-        print("usage: python chat_template.py FILE", file=sys.stderr)
-        return 2
+    """`chat_template.py FILE`: write the checked template to FILE (argparse: `--help` is help, not a file name)."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("file", type=Path, help="where to write the template (vLLM's --chat-template)")
+    out = parser.parse_args(argv).file
     try:
         text = chat_template()
-    except ChatTemplateError as exc:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(text)
+    except (ChatTemplateError, OSError) as exc:
         print(f"chat_template.py: {exc}", file=sys.stderr)
         return 1
-    Path(argv[0]).parent.mkdir(parents=True, exist_ok=True)
-    Path(argv[0]).write_text(text)
     return 0
 
 

@@ -3,6 +3,8 @@
 # logging, recipe knobs, the job scripts' one preflight, background processes with log files, readiness waits, cleanup.
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
+# The job's python3 (the image's); from a set-up checkout, its .venv (so dry runs work on any machine).
+if [ -z "${PYTHON:-}" ] && [ -x "$HERE/.venv/bin/python" ]; then PYTHON="$HERE/.venv/bin/python"; fi
 PYTHON="${PYTHON:-python3}"
 LOG_DIR="${LOG_DIR:-/tmp/lfm-logs}"
 declare -a CHILD_PIDS=()
@@ -169,7 +171,8 @@ except recipe.ConfigError as exc:
 # The knobs every job script (run_job.sh, run_eval.sh and so run_eval_watch.sh) checks before its step 0. run_job.sh's
 # final eval is run_eval.sh in the training job's environment, so what the eval would refuse stops the training job
 # before its hours of training, not after them; DEBUG is read by every Python step.
-JOB_SCRIPT_KNOBS=(DEBUG READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT SANDBOX REPORT_TO EVAL_TASKS EVAL_CONCURRENCY)
+JOB_SCRIPT_KNOBS=(DEBUG READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT SANDBOX REPORT_TO DASHBOARD_SPACE EVAL_TASKS
+  EVAL_CONCURRENCY)
 
 # job_knobs NAME...: env_knobs on JOB_SCRIPT_KNOBS and the script's own knobs NAME... (one recipe.py call, the rules
 # that join knobs included); SANDBOX exported for every step.
@@ -211,9 +214,15 @@ resolve_public_host() {
 # checked (versions printed on failure), `pip check` clean but for recipe.PIP_CHECK_ACCEPTED, and vLLM's API
 # server importable: all before any GPU work.
 install_stack() {
-  local req="$HERE/requirements.txt" tf_pin
-  tf_pin="$(grep -E '^transformers==' "$req")" || die "requirements.txt has no transformers== pin"
-  dry_run || mkdir -p "$WORK_DIR"
+  local req="$WORK_DIR/requirements.txt" pins tf_pin
+  # The job's pins and SANDBOX's (recipe.SANDBOXES: daytona|e2b add Harbor's extra), resolved in one pip call.
+  pins="$("$PYTHON" "$HERE/recipe.py" --requirements "$SANDBOX")" || die "recipe.py did not print the job's pins"
+  tf_pin="$(grep -E '^transformers==' <<<"$pins")" || die "recipe.py JOB_REQUIREMENTS has no transformers== pin"
+  if dry_run; then
+    echo "  write $req (recipe.py --requirements $SANDBOX): $(grep -vE '^(#|$)' <<<"$pins" | paste -sd' ')"
+  else
+    mkdir -p "$WORK_DIR"; printf '%s\n' "$pins" >"$req"
+  fi
   local -a tools=()
   command -v git >/dev/null 2>&1 || tools+=(git)
   command -v curl >/dev/null 2>&1 || tools+=(curl)  # wait_http needs it
@@ -229,11 +238,8 @@ install_stack() {
       "$WORK_DIR/constraints.txt" "$tf_pin"
     grep -vE '^transformers' "$req" >"$WORK_DIR/requirements-rest.txt"
   fi
-  local backend  # SANDBOX=daytona|e2b: its Harbor extra and pins, resolved in the same pip call (recipe.SANDBOXES)
-  backend="$(py_check 'import recipe; print(recipe.SANDBOXES[sys.argv[2]]["requirements"] or "")' "$SANDBOX")"
   do_cmd "$PYTHON" -m pip install -q --no-deps "$tf_pin"
-  do_cmd "$PYTHON" -m pip install -q -c "$WORK_DIR/constraints.txt" -r "$WORK_DIR/requirements-rest.txt" \
-    ${backend:+-r "$HERE/$backend"}
+  do_cmd "$PYTHON" -m pip install -q -c "$WORK_DIR/constraints.txt" -r "$WORK_DIR/requirements-rest.txt"
   if dry_run; then
     STEP_NOTE="then check every pin and vllm==$(recipe VLLM_VERSION), pip check (less recipe.PIP_CHECK_ACCEPTED), import vllm.entrypoints.openai.api_server"
     return 0

@@ -13,7 +13,9 @@ Base-model cells are computed once and stored in the repo (eval/watch/base.json)
 watcher reuses them. Restart-safe: finished checkpoints are skipped, a half-done one resumes from its
 pushed cells, and every commit is a compare-and-swap on the repo head, so two watchers on one repo
 merge their cells instead of overwriting each other. Stops after evaluating the final adapter (repo
-root), or after MAX_IDLE_HOURS without a new checkpoint.
+root); within one poll of the run's end without one (a smoke run's report, or no training job running on the repo any
+more, through the Jobs API: a crashed or stalled job ends, its watchdog sees to a stall), after evaluating what it
+pushed; or after MAX_IDLE_HOURS without a new checkpoint.
 
 On a smoke run's repo (<ADAPTER_REPO>-smoke, emptied by every smoke run) the watcher adopts only the live run the
 repo's clear recorded (smoke_run.json: not reported yet, within the smoke job's cap), waiting for it, and starts over
@@ -35,18 +37,21 @@ from typing import Any
 
 import dashboard
 import recipe
+import trajectories
 from adapter_repo import (
     CURVE_PATH,
     FINAL,
     SMOKE_RUN_PATH,
     SMOKE_SUFFIX,
     SUMMARY_PATH,
+    TRAIN_SCRIPT,
     WATCH_BASE_PATH,
     checkpoint_complete,
     checkpoint_name,
     commit_cas,
     complete_checkpoints,
     download_adapter,
+    live_jobs,
     read_json,
     run_cli,
     watch_results_path,
@@ -166,6 +171,7 @@ class Watcher:
         self.smoke = repo_id.endswith(SMOKE_SUFFIX)
         self.run_id: str | None = None  # the smoke run watched
         self.root_work = work
+        self.job: str | None = None  # the training job last seen running on the repo ("" once the Jobs API failed)
 
     # -- the subset and the base cells ------------------------------------------------------
     def subset_tasks(self) -> list[dict[str, Any]]:
@@ -207,7 +213,8 @@ class Watcher:
                      check=self.check_run)
 
     def publish_summary(self) -> dict[str, Any]:
-        """Recount eval/summary.json + the curve from the repo's per-checkpoint files, as one CAS commit."""
+        """Recount eval/summary.json + the curve from the repo's per-checkpoint files, and rebuild the trajectory page
+        with it, as one CAS commit."""
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
@@ -217,8 +224,10 @@ class Watcher:
             docs = {name: read_json(self.api, self.repo_id, path, revision=head)
                     for name, path in watched_checkpoints(files).items()}
             out["summary"] = build_summary(base_doc, docs)
+            page = trajectories.repo_docs(self.api, self.repo_id, revision=head) | {"summary": out["summary"]}
             return {SUMMARY_PATH: json.dumps(out["summary"], indent=1, sort_keys=True).encode(),
-                    CURVE_PATH: learning_curve_png(out["summary"])}
+                    CURVE_PATH: learning_curve_png(out["summary"]),
+                    trajectories.PAGE_PATH: trajectories.page(self.repo_id, page).encode()}
 
         commit_cas(self.api, self.repo_id, build, "eval: summary + learning curve")
         self.log_curve(out["summary"])
@@ -288,8 +297,33 @@ class Watcher:
         if run != self.run_id:
             raise RunReplaced(f"smoke run {self.run_id} of {self.repo_id} was cleared by run {run}: starting over")
 
+    def run_end(self) -> str | None:
+        """Why the run watched has ended without its final adapter, or None while it may still push: its smoke report
+        is in (or its job's cap has passed), or no training job runs on the repo any more after one did."""
+        if self.smoke:
+            marker = read_json(self.api, self.repo_id, SMOKE_RUN_PATH) or {}
+            if marker.get("run") == self.run_id and not live_run(marker, time.time()):
+                return f"smoke run {self.run_id} " + (
+                    "finished (smoke_report.json has its verdict)" if marker.get("finished") else "ran out of time")
+        if self.job == "":
+            return None
+        try:
+            jobs = live_jobs(self.api, self.repo_id, TRAIN_SCRIPT)
+            if jobs or self.job is None:  # none seen yet: it may start later (MAX_IDLE_HOURS bounds the wait)
+                self.job = jobs[0].id if jobs else None
+                return None
+            status = self.api.inspect_job(job_id=self.job).status
+        except Exception as error:  # noqa: BLE001 - e.g. a token without Jobs access: the idle limit still stops it
+            logger.warning("cannot read the training job's state (%s: %s): stopping only at the final adapter or "
+                           "after MAX_IDLE_HOURS", type(error).__name__, str(error)[:200])
+            self.job = ""
+            return None
+        return (f"training job {self.job} ended ({status.stage}{f': {status.message}' if status.message else ''}) and "
+                f"none runs on {self.repo_id} now; relaunch it (it resumes) and this watcher (its results are kept)")
+
     def run(self) -> str:
-        """Watch until the final adapter is evaluated ("final") or nothing new came for max_idle_s ("idle")."""
+        """Watch until the final adapter is evaluated ("final"), the run ended without it ("ended"), or nothing new
+        came for max_idle_s ("idle")."""
         for name, parent in self.lora.served().items():  # adapters a crashed watcher left loaded
             if parent is not None and name.startswith(recipe.ADAPTER_SERVED_NAME):
                 self.lora.unload(name)
@@ -309,6 +343,7 @@ class Watcher:
         self.ensure_base(tasks)
         last_new = self.clock()
         while True:
+            ended = self.run_end()  # before the head: what the run pushed before its end is evaluated first
             head = self.api.repo_info(self.repo_id).sha
             self.check_run(head)
             todo, final_done = self.pending(head)
@@ -320,6 +355,9 @@ class Watcher:
             if final_done or any(name == FINAL for _, name in todo):
                 logger.info("final adapter evaluated: done")
                 return "final"
+            if ended:
+                logger.info("%s: stopping", ended)
+                return "ended"
             if self.clock() - last_new > self.max_idle_s:
                 logger.info("no new checkpoint for %.1f h: stopping", self.max_idle_s / 3600)
                 return "idle"

@@ -38,9 +38,11 @@ def checked_args(args: argparse.Namespace) -> None:
     recipe.checkpoint_arg(args.checkpoint, "CHECKPOINT")
     if not args.source:
         raise recipe.ConfigError("--source is not set: pass the training repo id (or ADAPTER_REPO=you/...) or a folder")
+    if args.source.startswith((".", "/", "~")) and not Path(args.source).expanduser().is_dir():
+        raise recipe.ConfigError(f"--source {args.source}: folder not found (a repo id is owner/name): check the path")
     if not Path(args.source).is_dir():
         recipe.require_repo_id(args.source, "--source")
-    recipe.require_repo_id(args.target, "--target")
+    recipe.require_repo_id(args.target, "--target", "you/LFM2.5-2.6B-opencode-lora")
     if args.merged_target and not args.merged:
         raise recipe.ConfigError(f"--merged-target={args.merged_target!r} (or MERGED_REPO) is set without --merged: "
                                  "add --merged to publish the merged model there too, or drop it")
@@ -315,6 +317,8 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     parser.add_argument("--local-dir", default=env.get("LOCAL_DIR"),
                         help="write DIR/adapter (and DIR/merged) instead of pushing (env LOCAL_DIR)")
     parser.add_argument("--private", action="store_true", help="create the target repo(s) private")
+    parser.add_argument("--dry-run", action="store_true", help="check the inputs, print what would be published as "
+                                                                "JSON; download, merge and push nothing")
     return parser.parse_args(argv)
 
 
@@ -332,6 +336,15 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
         token = env.get("HF_TOKEN", "").strip() or (stored_token or huggingface_hub.get_token)()
         if not args.local_dir and not token:
             raise recipe.ConfigError("pushing needs a write token: export HF_TOKEN=hf_... or run `hf auth login`")
+        if args.dry_run:
+            revision = base_revision(args.base_model)
+            print(json.dumps({"source": args.source, "checkpoint": args.checkpoint,
+                              **({"write": args.local_dir} if args.local_dir else {"push": [
+                                  args.target, *([merged_repo(args)] if args.merged else [])]}),
+                              **({"merged_dtype": args.merged_dtype,
+                                  "base_model": f"{args.base_model}{f'@{revision}' if revision else ''}"}
+                                 if args.merged else {})}, indent=1))
+            return 0
         merge_from_hub = args.merged and not Path(args.base_model).is_dir()
         needs_hub = not args.local_dir or not Path(args.source).is_dir() or merge_from_hub
         api = (make_api or (lambda tok: huggingface_hub.HfApi(token=tok)))(token) if needs_hub else None

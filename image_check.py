@@ -91,9 +91,9 @@ def main(argv: list[str]) -> int:
     if argv == ["pip-check"]:
         left = unaccepted(parse_pip_check(sys.stdin.read()))
         if left:
-            sys.exit(f"the install step broke a requirement: {left[0].line} (pin it in requirements.txt, or list "
-                     f"({left[0].package!r}, {left[0].dependency!r}) in recipe.PIP_CHECK_ACCEPTED with the evidence "
-                     "that our path does not need it)")
+            sys.exit(f"the install step broke a requirement: {left[0].line} (pin it in recipe.JOB_REQUIREMENTS, or "
+                     f"list ({left[0].package!r}, {left[0].dependency!r}) in recipe.PIP_CHECK_ACCEPTED with the "
+                     "evidence that our path does not need it)")
         return 0
     sys.exit("usage: python3 -m pip check | python3 image_check.py pip-check")
 

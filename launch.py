@@ -17,9 +17,9 @@ task-list checks the preflight reuses, imports it), in any shell:
     uv run launch.py eval --checkpoint checkpoint-300     # standalone base-vs-adapter eval on h200
     .venv/bin/python launch.py train --dry-run            # prints the job spec and the upload list, touches nothing
 
-Every check runs before anything is uploaded or started; each failure is one line with its fix.
-The token is read from HF_TOKEN (or the stored `hf auth login` token) and never printed. If the job's Trackio has
-to create the dashboard Space, it stores this token there as a secret: `dashboard.py prepare-space` avoids that.
+Every check runs before anything is uploaded or started (a job already running on the repo, write access to both
+repos); each failure is one line with its fix. A train launch of fewer steps than the recipe's goes to its own
+repo, <ADAPTER_REPO>-<N>steps. The token is read from HF_TOKEN (or the stored `hf auth login` token) and never printed.
 """
 
 from __future__ import annotations
@@ -39,12 +39,15 @@ import recipe
 import smoke_report
 from adapter_repo import (
     FINAL,
+    TRAIN_SCRIPT,
     checkpoint_complete,
     checkpoint_name,
     commit,
     complete_checkpoints,
+    live_jobs,
     refuse_fresh_start,
     report_failure,
+    require_write_access,
 )
 
 HERE = Path(__file__).resolve().parent
@@ -52,17 +55,17 @@ PROJECT = "lfm-opencode-lora-rl"
 CODE_REPO_NAME = f"{PROJECT}-code"
 SMOKE_SUFFIX = smoke_report.SMOKE_SUFFIX
 APP_DIR = "/app"
-# The bundle: top-level scripts and docs, the job's runtime pins, the frozen task lists. Nothing below
-# tests/, benchmarks/, .venv or caches (the globs are not recursive).
-BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "requirements.txt", "data/*.json",
-                *(spec["requirements"] for spec in recipe.SANDBOXES.values() if spec["requirements"]))
+# The bundle: the recipe's own upload patterns (`hf upload --include`), top-level scripts and docs and the frozen task
+# lists; nothing below tests/, benchmarks/, docs/ or set-up folders (Path.glob's * stays within one folder).
+BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
 # Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
-COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "requirements.txt", "prepare_tasks.py", "eval_adapter.py",
+COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py",
                 "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
-                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py")
+                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py", "trajectories.py")
 REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
+HF_CLI = "uvx hf"  # the Hub's CLI with nothing but uv (PyPI's `hf` is huggingface_hub's CLI)
 _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 # Job knobs the launcher passes on when given (flag or environment variable), checked here by the same
 # recipe.knob check the job's own preflight runs; unset ones keep the job's recipe default.
@@ -77,11 +80,11 @@ JOB_KNOBS: dict[str, tuple[str, ...]] = {
 
 # mode -> entry script, extra files it runs, flavor, timeout
 MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
+    "train": {"script": TRAIN_SCRIPT, "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
                                                 "train_rollouts.py", "train_metrics.py", "model_cards.py",
                                                 "train_resume.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": "run_job.sh", "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
+    "smoke": {"script": TRAIN_SCRIPT, "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
                                                 "train_rollouts.py", "train_metrics.py", "model_cards.py",
                                                 "train_resume.py", "smoke_report.py"),
               "flavor": recipe.TRAIN_FLAVOR, "timeout": None},  # the smoke plan's cap (smoke_timeout)
@@ -149,10 +152,9 @@ def bundle_files(bundle: Path) -> list[str]:
     return sorted(found)
 
 
-def check_bundle(bundle: Path, mode: str, files: list[str], sandbox: str = recipe.SANDBOX) -> None:
-    """Every file the chosen job runs (and the chosen sandbox backend installs) is in the bundle."""
-    needed = {MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES} | {
-        recipe.SANDBOXES[sandbox]["requirements"]} - {None}
+def check_bundle(bundle: Path, mode: str, files: list[str]) -> None:
+    """Every file the chosen job runs is in the bundle."""
+    needed = {MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES}
     missing = sorted(needed - set(files))
     if missing:
         raise recipe.ConfigError(f"the bundle in {bundle} lacks {', '.join(missing)}: run launch.py from a full "
@@ -200,15 +202,42 @@ def watch_notes(api: Any, adapter_repo: str, job_vars: dict[str, str]) -> list[s
             "name and relaunch"]
 
 
-def smoke_repo(adapter_repo: str) -> str:
-    """The smoke run's own repo: its final adapter must not land in the real run's (the eval watcher stops at it)."""
+def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
+    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's): its final adapter must not land in the
+    full run's repo, where the eval watcher stops at it and a full train is refused."""
     try:
-        return recipe.require_repo_id(f"{adapter_repo}{SMOKE_SUFFIX}", "ADAPTER_REPO")
+        return recipe.require_repo_id(f"{adapter_repo}{suffix}", "ADAPTER_REPO")
     except recipe.ConfigError:
         raise recipe.ConfigError(
-            f"ADAPTER_REPO={adapter_repo!r} cannot take the '{SMOKE_SUFFIX}' suffix the smoke run pushes to "
-            f"({adapter_repo}{SMOKE_SUFFIX} is not a valid repo id; a name has at most 96 characters): "
-            "use a shorter ADAPTER_REPO name") from None
+            f"ADAPTER_REPO={adapter_repo!r} cannot take the '{suffix}' suffix {why} ({adapter_repo}{suffix} is not a "
+            "valid repo id; a name has at most 96 characters): use a shorter ADAPTER_REPO name") from None
+
+
+def check_no_live_job(api: Any, mode: str, adapter_repo: str, job_vars: dict[str, str]) -> None:
+    """One job per repo and script (and checkpoint, for an eval): a second one would write the same files."""
+    script = MODES[mode]["script"]
+    for job in live_jobs(api, adapter_repo, script):
+        if mode == "eval" and (job.environment or {}).get("CHECKPOINT") != job_vars["CHECKPOINT"]:
+            continue
+        raise recipe.ConfigError(
+            f"job {job.id} is still running {script} on {adapter_repo} ({job.status.stage}, {job.url}): a second job "
+            f"would write the same repo; let it end, or stop it with `{HF_CLI} jobs cancel {job.id}` and launch again "
+            "(training resumes from its last checkpoint)")
+
+
+def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str) -> None:
+    """The token may write both repos (the Hub's own auth-check), before anything is uploaded or started: the job
+    would find a read-only ADAPTER_REPO only after install, tasks and servers. Training creates its repo (private) as
+    its job would; an eval watcher's repo that does not exist yet is its training job's to create (watch_notes)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    require_write_access(api, code_repo)
+    if mode not in ("train", "smoke"):
+        try:
+            api.repo_info(adapter_repo)
+        except RepositoryNotFoundError:
+            return
+    require_write_access(api, adapter_repo)
 
 
 def passed_knobs(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
@@ -262,14 +291,54 @@ def smoke_steps(args: argparse.Namespace, env: dict[str, str]) -> int:
     return smoke_report.checked_steps(recipe.whole_number(raw, "MAX_STEPS") if raw else recipe.SMOKE_STEPS)
 
 
-def notes(mode: str, job: dict[str, str]) -> list[str]:
+def notes(mode: str, job: dict[str, str], args: argparse.Namespace, asked_repo: str) -> list[str]:
     """What the launch does differently from what a user may expect, said rather than done silently."""
-    if mode == "train" and job.get("FINAL_EVAL") == "0" and int(job["MAX_STEPS"]) <= recipe.SMOKE_STEPS:
-        return [f"MAX_STEPS={job['MAX_STEPS']} on a train launch: {job['MAX_STEPS']} steps into {job['ADAPTER_REPO']} "
-                f"and its adapter pushed, no final eval (FINAL_EVAL=0; --final-eval 1 asks for the full one); for "
-                "the smoke test (a stop and a resume from the Hub, an eval subset, a go/no-go report) run "
-                "`launch.py smoke`"]
-    return []
+    if mode != "train" or job["ADAPTER_REPO"] == asked_repo:
+        return []
+    steps = int(job["MAX_STEPS"])
+    note = (f"MAX_STEPS={steps} ({'--max-steps' if args.max_steps is not None else 'from the environment'}) is below "
+            f"the recipe's {recipe.MAX_STEPS}: this run trains into {job['ADAPTER_REPO']}, its own repo, so "
+            f"{asked_repo} stays free for the full run (watch or evaluate it with --adapter-repo "
+            f"{job['ADAPTER_REPO']})")
+    if job.get("FINAL_EVAL") == "0" and steps <= recipe.SMOKE_STEPS:
+        note += ("; no 250-task final eval (FINAL_EVAL=0; --final-eval 1 asks for it); for the smoke test (a stop and "
+                 "a resume from the Hub, an eval subset, a go/no-go report) run `launch.py smoke`")
+    return [note]
+
+
+def cost(mode: str, job: dict[str, str], timeout: str) -> dict[str, Any]:
+    """GPU-hours and sandbox-minutes, typical and worst (the caps), each with its source (recipe.py's cost figures)."""
+    gpus, cap, minutes = (2 if MODES[mode]["flavor"] == recipe.TRAIN_FLAVOR else 1), recipe.hours(timeout), \
+        recipe.TYPICAL_ROLLOUT_MINUTES
+    sandboxes = recipe.MAX_INFLIGHT_ROLLOUTS if gpus == 2 else recipe.knob("EVAL_CONCURRENCY", job)
+    plan = smoke_report.plan(int(job.get("MAX_STEPS") or recipe.SMOKE_STEPS)) if job["ADAPTER_REPO"].endswith(
+        SMOKE_SUFFIX) else None
+    steps = plan["steps"] if plan else int(job.get("MAX_STEPS") or recipe.MAX_STEPS)
+    def span(low: float, high: float) -> str:
+        return "-".join(dict.fromkeys((f"{low:.3g}", f"{high:.3g}")))
+
+    r1, r2, s1, s2 = (steps * h / recipe.MAX_STEPS for h in (*recipe.RECIPE_TRAIN_HOURS, *recipe.SIMULATED_TRAIN_HOURS))
+    run, said = ((plan["total_s"] / 3600,) * 2, f"smoke_report.py plan: {smoke_report.duration(plan['total_s'])}; "
+                 f"recipe: ~{recipe.RECIPE_SMOKE_MINUTES} min of training") if plan else (
+        (r1, s2), f"recipe: {r1:g}-{r2:g} h; benchmarks/README.md's rollout-pipeline simulation: {s1:g}-{s2:g} h")
+    if mode in ("train", "smoke"):
+        per_step = recipe.SIMULATED_SANDBOX_MINUTES_PER_STEP
+        gpu_hours = f"{span(gpus * run[0], gpus * run[1])} ({said}; x {gpus} GPUs)"
+        sandbox = f"{steps * per_step[0]}-{steps * per_step[1]} (the simulation: {per_step[0]}-{per_step[1]} a step)"
+    elif mode == "eval-watch":  # the base, every checkpoint and the final adapter, on N_TASKS
+        evals = (len(plan["checkpoints"]) if plan else recipe.MAX_STEPS // recipe.SAVE_STEPS) + 2
+        cells = evals * int(job["N_TASKS"])
+        gpu_hours = f"{span(*run)} (the run it watches: {said}; it stops at that run's end)"
+        sandbox = f"{cells * minutes} ({cells} cells x {minutes} min, the simulation's median rollout)"
+    else:
+        cells = 2 * recipe.TEST_TASKS
+        gpu_hours = f"{-(-cells // sandboxes) * minutes / 60:.2g} ({cells} cells, {sandboxes} at a time, {minutes} min)"
+        sandbox = f"{cells * minutes} ({cells} cells x {minutes} min, the simulation's median rollout)"
+    return {"flavor": MODES[mode]["flavor"],
+            "gpu_hours": {"typical": gpu_hours, "worst": f"{gpus * cap:g} (the job's {timeout} cap x {gpus} GPU)"},
+            "sandbox_minutes": {"typical": sandbox, "worst": f"{sandboxes * cap * 60:g} ({sandboxes} sandboxes busy "
+                                                            f"for the whole {timeout})"},
+            "stop": f"{HF_CLI} jobs cancel <job id>"}
 
 
 def smoke_timeout(mode: str, args: argparse.Namespace, job: dict[str, str]) -> str | None:
@@ -328,19 +397,20 @@ def follow_lines(job: Any) -> list[str]:
         f"job id:       {job.id}",
         f"job page:     {job.url}",
         f"capture URL:  https://{job.id}--{recipe.PUBLIC_PORT}.hf.jobs/capture",
-        f"follow logs:  .venv/bin/hf jobs logs -f {job.id}",
+        f"follow logs:  {HF_CLI} jobs logs -f {job.id}",
+        f"stop it:      {HF_CLI} jobs cancel {job.id}",
     ]
 
 
 # --- upload + launch -------------------------------------------------------------------------------------
 def upload_bundle(api: Any, code_repo: str, bundle: Path, files: list[str]) -> str:
-    """Commit exactly `files` to the (private) code repo in one commit; return that commit's id for the job to pin.
+    """Commit exactly `files` to the code repo (check_write_access made it) in one commit; return that commit's id
+    for the job to pin.
 
     The id is the commit's own (`CommitInfo.oid`), not the head read afterwards: another launch may commit between.
     """
     from huggingface_hub import CommitOperationAdd
 
-    api.create_repo(code_repo, private=True, exist_ok=True)
     ops = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(bundle / name)) for name in files]
     return commit(api, code_repo, ops, f"{PROJECT} code bundle (launch.py)")
 
@@ -366,7 +436,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     common.add_argument("--dry-run", action="store_true",
                         help="print the job spec and the files to upload as JSON; touch nothing remote "
                              "(env DRY_RUN=1, or true/yes/on)")
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train", parents=[common], help=f"full training run ({recipe.TRAIN_FLAVOR})")
     train.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
@@ -388,7 +458,11 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
             sub_parser.add_argument(f"--{name.lower().replace('_', '-')}", dest=name.lower(),
                                     help=f"passed to the job as {name} (env {name}; unset: the job's default, "
                                          f"{recipe.shell_value(recipe.ENV_KNOBS[name][0])})")
-    return parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:  # argparse would answer with the top-level usage; the subcommand's lists the flags that exist
+        dict(zip(MODES, (train, smoke, watch, evaluate), strict=True))[args.mode].error(
+            f"unrecognized arguments: {' '.join(unknown)}")
+    return args
 
 
 def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Callable[[], str | None],
@@ -402,15 +476,22 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         check_hub_version(hub_version)
     token = checked_token(env, stored_token)
     adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
-    smoke = mode == "smoke" or getattr(args, "smoke", False)
-    if smoke:
-        adapter_repo = smoke_repo(adapter_repo)
+    asked_repo = adapter_repo
+    if mode == "smoke" or getattr(args, "smoke", False):
+        adapter_repo = suffixed_repo(adapter_repo, SMOKE_SUFFIX, "the smoke run pushes to")
+    elif mode == "train" and (steps := recipe.knob("MAX_STEPS", env, args.max_steps)) < recipe.MAX_STEPS:
+        adapter_repo = suffixed_repo(adapter_repo, f"-{steps}steps", f"a {steps}-step run pushes to")
     check_bundle_dir(bundle)
     check_task_lists(bundle)
     files = bundle_files(bundle)
+    check_bundle(bundle, mode, files)
     sandbox = recipe.knob("SANDBOX", env, args.sandbox)
-    check_bundle(bundle, mode, files, sandbox)
     recipe.knob("REPORT_TO", env, args.report_to)
+    recipe.knob("DASHBOARD_SPACE", env, args.dashboard_space)
+    if env.get("MODEL", "").strip() not in ("", recipe.BASE_MODEL):  # read by train_lora.py and serve_policy.sh alone
+        raise recipe.ConfigError(f"MODEL={env['MODEL'].strip()!r} is not passed to the job: the recipe trains "
+                                 f"{recipe.BASE_MODEL} (its LoRA targets, chat template, tool parser and pinned "
+                                 "revision are that model's); unset MODEL")
     job_vars = job_env(mode, adapter_repo, args, env)
     recipe.check_together(job_vars, job_vars)  # what the job's own preflight would refuse, refused here
     secrets = {"HF_TOKEN": token}
@@ -419,9 +500,11 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         job_vars["SANDBOX"] = sandbox
         job_vars |= {name: env[name].strip() for name in recipe.SANDBOXES[sandbox].get("settings", ())
                      if env.get(name, "").strip()}
-    said = {"notes": told} if (told := notes(mode, job_vars) + recipe.sandbox_notes(sandbox)) else {}
-    said["install"] = ["requirements.txt", *([need] if (need := recipe.SANDBOXES[sandbox]["requirements"]) else [])]
+    said = {"notes": told} if (told := notes(mode, job_vars, args, asked_repo) + recipe.sandbox_notes(sandbox)) else {}
+    # What the job's one pip call installs (`recipe.py --requirements SANDBOX`): the job's pins and the backend's.
+    said["install"] = [line for line in recipe.requirements(sandbox).splitlines() if line and not line.startswith("#")]
     timeout = smoke_timeout(mode, args, job_vars)
+    said["cost"] = cost(mode, job_vars, timeout or MODES[mode]["timeout"])
     if mode == "smoke":  # what the job will do with its cap: the stage budget it checks itself against
         said["smoke_plan"] = smoke_report.plan(int(job_vars["MAX_STEPS"]))
     if args.dry_run:
@@ -430,6 +513,8 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
                 "dashboard": dashboard_info(args, adapter_repo, TOKEN_OWNER), **said}
     api = make_api(token)
     check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"), job_vars.get("RESUME", "1") == "1")
+    check_no_live_job(api, mode, adapter_repo, job_vars)
+    check_write_access(api, mode, adapter_repo, code_repo)
     if mode == "eval-watch" and (told := watch_notes(api, adapter_repo, job_vars)):
         said["notes"] = said.get("notes", []) + told
     revision = upload_bundle(api, code_repo, bundle, files)

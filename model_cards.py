@@ -72,7 +72,7 @@ def front_matter(data: Any) -> str:
 
 
 def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
-    """How it was trained, read from recipe.py and requirements.txt (never retyped) and the run (its steps)."""
+    """How it was trained, read from recipe.py (never retyped) and the run (its steps)."""
     r = recipe
     pins = r.pinned_versions()
     stack = ", ".join(f"`{name}{pins[name]}`" for name in ("trl", "transformers", "peft", "openenv") if name in pins)

@@ -375,7 +375,10 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
         if src is not None and not (src / "tasks").is_dir():
             raise ConfigError(f"--{split}-source {src} has no tasks/ folder: pass a SmolDataEnvs Harbor snapshot")
     created = not out.exists()
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as error:
+        raise ConfigError(f"--out {out} cannot be created ({error.strerror}): choose a folder you can write") from None
     scratch = [out / f".{split}.{kind}-{os.getpid()}" for split in splits for kind in ("partial", "download")]
     try:
         verified = {}

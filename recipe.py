@@ -2,8 +2,9 @@
 
 Every script imports its numbers from here (shell scripts read them with
 `python3 recipe.py NAME`), so a knob is changed once and training, eval, launch
-and the model card stay in agreement. Version pins live in requirements.txt and
-are read from there, not retyped.
+and the model card stay in agreement. The job's version pins are JOB_REQUIREMENTS below, a pip requirements
+file's text, and each sandbox backend's are in SANDBOXES (`python3 recipe.py --requirements [SANDBOX]` prints them),
+read from there, not retyped.
 """
 
 from __future__ import annotations
@@ -66,14 +67,20 @@ DATA_BUCKET = "AdithyaSK/jupyter-agent-kaggle-all"
 # Harbor sandbox backend for every rollout (train and eval), env SANDBOX: HF Sandboxes by default (no third-party
 # account: the HF token), or Daytona or E2B with their own key. Per backend: the keys Harbor's own preflight() asks for
 # (any one tuple, all of it set; the job gets them as secrets), the SDK's own settings passed on when set, and the
-# requirements run_job.sh installs beside requirements.txt (each resolved beside vLLM 0.31's pins, `pip check` clean:
-# tests/image_resolution.json). Reference: docs/sandboxes.md.
+# pins run_job.sh installs with JOB_REQUIREMENTS in its one pip call (`recipe.py --requirements SANDBOX`; each resolved
+# beside vLLM 0.31's pins, `pip check` clean: tests/image_resolution.json). The SDKs at the releases the tests' doubles
+# are typed against (tests/chain/*_double.py). Reference: docs/sandboxes.md.
 SANDBOX = "hf-sandbox"
 SANDBOXES: dict[str, dict[str, Any]] = {
-    "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": None},
+    "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": ""},
     "daytona": {"keys": (("DAYTONA_API_KEY",), ("DAYTONA_JWT_TOKEN", "DAYTONA_ORGANIZATION_ID")),
-                "settings": ("DAYTONA_API_URL", "DAYTONA_TARGET"), "requirements": "requirements-daytona.txt"},
-    "e2b": {"keys": (("E2B_API_KEY",),), "requirements": "requirements-e2b.txt"},
+                "settings": ("DAYTONA_API_URL", "DAYTONA_TARGET"), "requirements": """harbor[daytona]
+daytona==0.226.1
+# daytona needs opentelemetry-instrumentation-aiohttp-client>=0.59b0, whose newest moves the OpenTelemetry family to
+# 1.45.1 while the vLLM image has 1.45.2: without this pin `pip check` finds 5 breaks (tests/image_resolution.json).
+opentelemetry-exporter-otlp==1.45.1
+"""},
+    "e2b": {"keys": (("E2B_API_KEY",),), "requirements": "harbor[e2b]\ne2b==2.63.0\n"},
 }
 # E2B's Hobby plan runs at most 20 sandboxes at once (and each for at most 1 h), fewer than the recipe's 32 rollouts
 # in flight: creates past it are refused as rate-limited and the rollout is unscorable. Warned, not refused: the plan
@@ -151,6 +158,9 @@ MAX_INFLIGHT_ROLLOUTS = 32
 # ratio/sample_min|max), which TRL's clipped objective bounds, not the mean.
 MAX_STALENESS = 24
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
+# At most this many checkpoints a run (SAVE_STEPS >= MAX_STEPS / 20): each is a push of the adapter and optimizer state
+# (~0.5 GB, one commit) and an eval of EVAL_WATCH_TASKS tasks by the watcher; the recipe's run pushes 10.
+MAX_CHECKPOINTS = 20
 
 # --- Reward ------------------------------------------------------------------
 # reward = CORRECT_REWARD * env_reward + TOOL_BONUS * max(0, (TOOL_BUDGET - tool_calls) / TOOL_BUDGET),
@@ -168,6 +178,16 @@ EVAL_FLAVOR = "h200"
 EVAL_WATCH_TIMEOUT = "48h"
 EVAL_TIMEOUT = "12h"
 EVAL_WATCH_TASKS = 100  # Fixed test subset for the live learning curve.
+# What a run costs, typical and worst, each from its source (launch.py --dry-run; README "What it costs"). The
+# recipe's own figures: "h200x2 for ~10-25h (task-difficulty dependent) + thousands of cpu-basic sandbox-minutes" and
+# "MAX_STEPS=20 gives a ~40-min smoke run". benchmarks/README.md's rollout-pipeline simulation (TRL's own worker at
+# this recipe's 32 in flight and staleness 24, rollouts of 6-8 minutes typical): 27-47 h for 1,000 steps and 51-90
+# sandbox-minutes a step; its median rollout, 8 minutes, is an eval cell's sandbox time. The worst cases are the caps.
+RECIPE_TRAIN_HOURS = (10, 25)
+RECIPE_SMOKE_MINUTES = 40
+SIMULATED_TRAIN_HOURS = (27, 47)
+SIMULATED_SANDBOX_MINUTES_PER_STEP = (51, 90)
+TYPICAL_ROLLOUT_MINUTES = 8
 MAX_IDLE_HOURS = 6.0  # Eval watcher stops after this long without a new checkpoint.
 # An unscorable eval cell (infrastructure failure, not a wrong answer) is tried at most this often in all.
 EVAL_CELL_ATTEMPTS = 3
@@ -204,6 +224,9 @@ TASK_API_TIMEOUT_S = 120
 WORKER_START_LIMIT_S = 300
 STALL_MARGIN_S = 180
 STALL_MINUTES = -(-(WORKER_START_LIMIT_S + TASK_API_TIMEOUT_S + ROLLOUT_CALL_LIMIT_S + STALL_MARGIN_S) // 60)
+# The least STALL_MINUTES may be (the recipe's own 30): one healthy rollout may take OpenEnv's whole call limit, and
+# all 32 in flight at the start together, so a shorter limit fails a healthy run before its first finished rollout.
+STALL_MINUTES_MIN = ROLLOUT_CALL_LIMIT_S // 60
 # Sandbox lifecycle (sandbox_lifecycle.py). A rollout's time outside its agent run -- sandbox start, healthcheck (the
 # task's data pull), OpenCode's install, verifier, log transfer -- is what OpenEnv's call limit leaves beside the agent
 # timeout; sandbox_lifecycle.trial_timing measures each part per rollout into the ledger, so a smoke run shows whether
@@ -279,6 +302,7 @@ REPORT_TO = "trackio"
 # Trackio dashboard Space, created private under the HF token's owner (env DASHBOARD_SPACE; "local" = no Space,
 # Trackio logs on the machine only). Training, the eval watcher and the final eval all log to it.
 DASHBOARD_SPACE = "lfm-opencode-lora-rl-dashboard"
+NO_SPACE = "local"  # DASHBOARD_SPACE value: no Space, Trackio logs on the machine only
 # --- Smoke run -------------------------------------------------------------
 # The smoke run checkpoints every SMOKE_SAVE_STEPS (steps 5, 10, 15 and 20: four pushes read back from the Hub; fewer
 # steps save every half of the run at most); its first trainer start stops right after its first checkpoint and a
@@ -370,6 +394,10 @@ LEDGER_NAME = "rollouts.json"
 # "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), error, trial,
 # trial_kept, at.
 ROLLOUT_LOG_NAME = "rollout_log.jsonl"
+# The last finished rollouts' trajectories (trajectories.trajectory), rewritten by the rollout child after each one;
+# each checkpoint push commits it as that checkpoint's sample. 8: one group's worth, ~100 KB each at most.
+TRAJECTORIES_NAME = "trajectories.json"
+TRAJECTORY_SAMPLE = 8
 # A later trainer start in the same folder first keeps the last start's ledger aside under this glob, its * the start's
 # number, 1, 2, ... in start order (keep_ledger_aside), so the smoke report sums every start's counts (kept_ledgers).
 KEPT_LEDGER_GLOB = "rollouts.start-*.json"
@@ -447,15 +475,48 @@ def graded_reward(result: Any) -> float | None:
     return float(reward)
 
 
+# --- The job's pins ------------------------------------------------------------------
+# The requirements file the jobs install (run_job.sh writes it out with `recipe.py --requirements`; setup.sh too). Kept
+# here, not in a requirements.txt: the recipe's own upload, `hf upload ... --include "*.py" --include "*.sh" --include
+# "*.md" --include "data/*.json"`, takes no *.txt, and the job must run from what it uploads.
+JOB_REQUIREMENTS = """# Runtime stack for the training/eval job. run_job.sh installs these next to vLLM 0.31's own stack
+# inside the vllm/vllm-openai:v0.31.0 image (transformers with --no-deps there). Every pin is part of
+# one version window that must hold at once (see README "Versions"):
+#
+# trl 1.15.0 exactly: 1.16 adds tree packing and refuses Lfm2ForCausalLM ("has ['conv'] layers");
+# 1.15.0 is the first with HarnessRolloutWorker.
+trl[peft]==1.15.0
+# openenv 0.10.0: capture proxy + harness protocol TRL 1.15 was written against.
+openenv==0.10.0
+# harbor >=0.24 has EnvironmentType.HF_SANDBOX; 0.26 needs fastmcp>=4 which conflicts with openenv 0.10's fastmcp<4.
+harbor[hf-sandbox]>=0.24,<0.26
+# transformers 5.17: vLLM 0.31 needs <5.18, kernels 0.16 works only on 5.15-5.17, TRL's add_response_schema needs
+# >=5.13.
+transformers==5.17.0
+peft==0.21.2
+# transformers 5.17 requires huggingface_hub<2.0 (the launcher, which needs >=2.1.1, runs in its own env).
+huggingface_hub>=1.31,<2.0
+# trl 1.15 loads kernels-community/flash-attn3; kernels 0.16 is the release matching transformers 5.15-5.17.
+kernels==0.16.0
+# prepare_tasks.py rewrites task.toml (docker_image, cpus, memory_mb) with a real TOML writer; 1.2.0 is what openenv
+# already pulls in.
+tomli-w==1.2.0
+# eval_watch.py draws eval/learning_curve.png on the eval-watch job; neither this stack nor vLLM 0.31's brings it.
+matplotlib==3.11.2
+# Training and eval dashboard (REPORT_TO=trackio). Adds only httptools and uvloop to this stack, and resolves
+# together with vllm==0.31.0's own requirements (pip --dry-run, 2026-12-01).
+trackio==0.43.0
+"""
+
+
 # --- Checks shared by every entry point ----------------------------------------
-REQUIREMENTS = Path(__file__).with_name("requirements.txt")
 
 
 class ConfigError(ValueError):
     """A bad input found before any GPU time is spent; the message says how to fix it."""
 
 
-def require_repo_id(value: str | None, var: str) -> str:
+def require_repo_id(value: str | None, var: str, example: str = "you/LFM2.5-2.6B-opencode-lora-RL") -> str:
     """Return `value` if it is an `owner/name` repo id the Hub accepts; otherwise explain the expected form.
 
     The character rules are huggingface_hub's own `validate_repo_id` (no `--`, `..` or `.git` end, ...), never a copy:
@@ -464,7 +525,7 @@ def require_repo_id(value: str | None, var: str) -> str:
     starts (launch.job_command; the vLLM image ships it too). Only the `owner/` part is the recipe's own rule.
     """
     if not value:
-        raise ConfigError(f"{var} is not set: set it to your repo id, e.g. {var}=you/LFM2.5-2.6B-opencode-lora-RL")
+        raise ConfigError(f"{var} is not set: set it to your repo id, e.g. {var}={example}")
     try:
         from huggingface_hub.utils import HFValidationError, validate_repo_id
     except ImportError:
@@ -478,8 +539,7 @@ def require_repo_id(value: str | None, var: str) -> str:
     else:
         if value.count("/") == 1:
             return value
-    raise ConfigError(f"{var}={value!r} is not a valid repo id{why}: use 'owner/name', "
-                      "e.g. you/LFM2.5-2.6B-opencode-lora-RL")
+    raise ConfigError(f"{var}={value!r} is not a valid repo id{why}: use 'owner/name', e.g. {example}")
 
 
 def require_token(env: dict[str, str] | None = None) -> str:
@@ -538,14 +598,34 @@ def whole_number(raw: str, var: str, upper: int | None = None, why: str = "") ->
     return value
 
 
-def positive_number(raw: str, var: str) -> float:
-    """A number > 0 (minutes, hours, seconds)."""
+def positive_number(raw: str, var: str, lower: float = 0, upper: float = math.inf, why: str = "") -> float:
+    """A number > 0 (minutes, hours, seconds), within lower..upper when given."""
     try:
         value = float(raw.strip())
     except ValueError:
         value = math.nan
     if not value > 0 or math.isinf(value):
         raise ConfigError(f"{var}={raw!r} is not a positive number: use e.g. {var}=1.5")
+    if not lower <= value <= upper:
+        span = f"{lower:g}..{upper:g}" if lower else f"at most {upper:g}"
+        raise ConfigError(f"{var}={value:g} is out of range: use {span}" + (f" ({why})" if why else ""))
+    return value
+
+
+def hours(timeout: str) -> float:
+    """A Jobs timeout ("72h", "90m") in hours."""
+    return int(timeout[:-1]) / (1 if timeout.endswith("h") else 60)
+
+
+def space_name(raw: str, var: str) -> str:
+    """A dashboard Space: a name (Trackio puts it under the token's owner), owner/name, or NO_SPACE."""
+    value = raw.strip()
+    if value != NO_SPACE:
+        try:
+            require_repo_id(value if "/" in value else f"owner/{value}", var)
+        except ConfigError:
+            raise ConfigError(f"{var}={value!r} is not a Space name: use a name (it goes under the token's owner), "
+                              f"owner/name, or {NO_SPACE} (no Space)") from None
     return value
 
 
@@ -617,13 +697,16 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
                                                why="one training task per step")),
     "SAVE_STEPS": (SAVE_STEPS, whole_number),
     "WEIGHT_SYNC": (WEIGHT_SYNC_MODES[0], functools.partial(one_of, choices=WEIGHT_SYNC_MODES)),
-    "STALL_MINUTES": (STALL_MINUTES, positive_number),
+    "STALL_MINUTES": (STALL_MINUTES, functools.partial(
+        positive_number, lower=STALL_MINUTES_MIN, upper=hours(TRAIN_TIMEOUT) * 60,
+        why=f"a healthy rollout may take {ROLLOUT_CALL_LIMIT_S} s; past the job's {TRAIN_TIMEOUT} it never fires")),
     "STALL_SECONDS": (_stall_seconds, whole_number),
     "WATCH_INTERVAL": (WATCH_INTERVAL_S, positive_number),
     "READY_TIMEOUT": (READY_TIMEOUT_S, whole_number),
     "N_TASKS": (EVAL_WATCH_TASKS, functools.partial(whole_number, upper=TEST_TASKS, why="tasks in data/test.json")),
     "CHECKPOINT": (FINAL, checkpoint_arg),
-    "MAX_IDLE_HOURS": (MAX_IDLE_HOURS, positive_number),
+    "MAX_IDLE_HOURS": (MAX_IDLE_HOURS, functools.partial(
+        positive_number, upper=hours(EVAL_WATCH_TIMEOUT), why=f"the eval-watch job's {EVAL_WATCH_TIMEOUT} cap")),
     "EVAL_CONCURRENCY": (EVAL_CONCURRENCY, functools.partial(
         whole_number, upper=ENV_MAX_SESSIONS, why="the env server's ENV_MAX_SESSIONS; rollouts past it would fail")),
     "EVAL_MODE": ("full", functools.partial(one_of, choices=("full", "watch"))),
@@ -635,6 +718,7 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "ENV_PORT": (ENV_PORT, _port),
     "PUBLIC_PORT": (PUBLIC_PORT, _port),
     "SPACE_HOST": ("", host_name),  # unset: run_job.sh / run_eval.sh derive it from JOB_ID
+    "DASHBOARD_SPACE": (DASHBOARD_SPACE, space_name),
     "REPORT_TO": (REPORT_TO, functools.partial(_offered, choices=REPORTERS,
                                                why="the job installs Trackio and no other dashboard")),
     "SANDBOX": (SANDBOX, functools.partial(_offered, choices=tuple(SANDBOXES),
@@ -647,6 +731,14 @@ def _save_within_run(env: Mapping[str, str]) -> None:
     if env.get("SAVE_STEPS", "").strip() and knob("SAVE_STEPS", env) > (steps := knob("MAX_STEPS", env)):
         raise ConfigError(f"SAVE_STEPS={knob('SAVE_STEPS', env)} is more than MAX_STEPS={steps}: the run would push no "
                           f"checkpoint before its end (nothing to resume or watch); use SAVE_STEPS={steps} or less")
+
+
+def _few_checkpoints(env: Mapping[str, str]) -> None:
+    if env.get("SAVE_STEPS", "").strip() and (
+            pushes := (steps := knob("MAX_STEPS", env)) // (save := knob("SAVE_STEPS", env))) > MAX_CHECKPOINTS:
+        raise ConfigError(f"SAVE_STEPS={save} would push {pushes} checkpoints in MAX_STEPS={steps} (each ~0.5 GB of "
+                          f"adapter and optimizer state, and an eval by the watcher): use SAVE_STEPS="
+                          f"{-(-steps // MAX_CHECKPOINTS)} or more (at most {MAX_CHECKPOINTS} checkpoints a run)")
 
 
 def _one_stall_limit(env: Mapping[str, str]) -> None:
@@ -674,6 +766,7 @@ def _ports_distinct(env: Mapping[str, str]) -> None:
 
 KNOB_RULES: tuple[tuple[tuple[str, ...], Callable[[Mapping[str, str]], None]], ...] = (
     (("SAVE_STEPS", "MAX_STEPS"), _save_within_run),
+    (("SAVE_STEPS", "MAX_STEPS"), _few_checkpoints),
     (("STALL_SECONDS", "STALL_MINUTES"), _one_stall_limit),
     (("WATCH_INTERVAL", "STALL_SECONDS", "STALL_MINUTES"), _watch_often_enough),
     (PORT_KNOBS, _ports_distinct),
@@ -706,10 +799,10 @@ def shell_value(value: object) -> str:
     return f"{value:g}" if isinstance(value, float) else str(value)
 
 
-def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
-    """Map distribution name -> version specifier, as pinned in requirements.txt."""
+def pinned_versions(text: str = JOB_REQUIREMENTS) -> dict[str, str]:
+    """Map distribution name -> version specifier, as pinned in JOB_REQUIREMENTS."""
     pins: dict[str, str] = {}
-    for line in path.read_text().splitlines():
+    for line in text.splitlines():
         line = line.split("#", 1)[0].strip()
         match = re.match(r"^([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?\s*([<>=!~].*)$", line)
         if match:
@@ -717,19 +810,20 @@ def pinned_versions(path: Path = REQUIREMENTS) -> dict[str, str]:
     return pins
 
 
-def check_versions(names: tuple[str, ...] = ("trl", "transformers"), path: Path = REQUIREMENTS) -> None:
+def check_versions(names: tuple[str, ...] = ("trl", "transformers"), text: str = JOB_REQUIREMENTS) -> None:
     """Raise ConfigError if an installed package is outside the pinned version window."""
     from importlib import metadata  # here, not at the top: it was two thirds of every shell script's recipe.py call
 
     from packaging.specifiers import SpecifierSet
 
-    pins = pinned_versions(path)
+    pins = pinned_versions(text)
     for name in names:
         spec = pins[name]
         try:
             found = metadata.version(name)
         except metadata.PackageNotFoundError:
-            raise ConfigError(f"{name} is not installed: pip install '{name}{spec}' (see requirements.txt)") from None
+            raise ConfigError(f"{name} is not installed: pip install '{name}{spec}' "
+                              "(recipe.JOB_REQUIREMENTS)") from None
         if found not in SpecifierSet(spec):
             raise ConfigError(f"{name} {found} is installed, the recipe needs {name}{spec}: pip install '{name}{spec}'")
 
@@ -751,10 +845,31 @@ def _shell_knobs() -> dict[str, str]:
     """Every knob a shell script may read (upper-case scalars and tuples), as text: tuples comma-joined."""
     return {name: ",".join(map(str, value)) if isinstance(value, tuple) else str(value)
             for name, value in globals().items()
-            if name.isupper() and not name.startswith("_") and isinstance(value, (str, int, float, tuple))}
+            if name.isupper() and not name.startswith("_") and isinstance(value, (str, int, float, tuple))
+            and "\n" not in str(value)}
 
+
+def requirements(*sandboxes: str) -> str:
+    """The pip requirements a job installs: JOB_REQUIREMENTS and the pins of each named backend, one text, so one pip
+    call resolves them together (Harbor's range in JOB_REQUIREMENTS holds for the backend's extra too)."""
+    return JOB_REQUIREMENTS + "".join(f"# SANDBOX={name}\n{SANDBOXES[name]['requirements']}" for name in sandboxes
+                                      if SANDBOXES[name]["requirements"])
+
+
+USAGE = """usage: python3 recipe.py NAME...        each knob's value, one per line (shell scripts read them so)
+       python3 recipe.py --all          NAME=value of every knob
+       python3 recipe.py --env NAME...  environment knobs, each checked (a bad one exits with its fix)
+       python3 recipe.py --requirements [SANDBOX...]  the job's pip requirements (JOB_REQUIREMENTS and the backends')"""
 
 if __name__ == "__main__":
+    if not sys.argv[1:] or sys.argv[1] in ("-h", "--help"):
+        print(f"{USAGE}\n\n{__doc__.strip()}", file=sys.stdout if sys.argv[1:] else sys.stderr)
+        sys.exit(0 if sys.argv[1:] else 2)
+    if sys.argv[1:2] == ["--requirements"]:
+        if unknown := [name for name in sys.argv[2:] if name not in SANDBOXES]:
+            sys.exit(f"recipe.py: unknown sandbox backend {unknown[0]!r}: use {'|'.join(SANDBOXES)}")
+        print(requirements(*sys.argv[2:]), end="")
+        sys.exit(0)
     if sys.argv[1:2] == ["--env"]:
         _print_env_knobs(sys.argv[2:])
         sys.exit(0)

@@ -1,10 +1,29 @@
 #!/usr/bin/env bash
 # One-time local set-up: find a Python >= 3.12 (Harbor needs it), create .venv, install the pinned
-# stack plus test tools, the OpenCode client, vLLM's code for the CPU tests and the task image root the rollout-chain
-# tests run sandboxes from (tests/test_chain.py). Usage: bash setup.sh   (CI=true: a missing chain piece fails it)
+# stack plus test tools, the OpenCode client, vLLM's code for the CPU tests, the task image root the rollout-chain
+# tests run sandboxes from (tests/test_chain.py) and Chromium for the trajectory page's browser test.
+# Usage: bash setup.sh   (CI=true: a missing chain piece or browser fails it)
 set -euo pipefail
 
 VENV="${VENV:-.venv}"
+CHAIN_IMAGE="${CHAIN_IMAGE:-.chain-image}"
+
+# The set-up's folders (~9 GB, tens of thousands of *.py and *.md files) live outside the checkout, in LOCAL_STATE
+# (default: a folder per checkout under ~/.cache), each linked in under its usual name. The recipe's own upload,
+# `hf upload REPO . --include "*.py" --include "*.sh" --include "*.md" --include "data/*.json"`, does not follow links
+# (fnmatch's * crosses /: inside the checkout it took 41,206 files, 530 MB). A folder an older set-up left inside is
+# moved out once (a rename on one file system).
+place_local_folders() {
+  local state="${LOCAL_STATE:-${XDG_CACHE_HOME:-$HOME/.cache}/lfm-opencode-lora-rl/$(pwd -P | sha256sum | cut -c1-12)}"
+  local name
+  for name in "$VENV" .vllm .opencode "$CHAIN_IMAGE"; do
+    [[ ! -L "$name" && "$name" != */* ]] || continue  # linked already, or a path of the user's own (VENV=/x)
+    mkdir -p "$state"
+    if [ -d "$name" ]; then echo "setup.sh: moving $name to $state/$name"; mv "$name" "$state/$name"; fi
+    mkdir -p "$state/$name"
+    ln -s "$state/$name" "$name"
+  done
+}
 
 # Prints the first interpreter that really is Python >= 3.12 (pyenv shims may exist yet refuse to run).
 find_python() {
@@ -35,7 +54,7 @@ install_opencode() {
 install_vllm_code() {
   local stamp=".vllm/requirements-vllm.txt"
   if cmp -s requirements-vllm.txt "$stamp"; then return 0; fi
-  rm -rf .vllm
+  [ ! -d .vllm ] || find .vllm/ -mindepth 1 -delete  # a link (place_local_folders): empty it, keep it
   "$VENV/bin/python" -m pip install -q --no-deps --target .vllm -r requirements-vllm.txt
   cp requirements-vllm.txt "$stamp"
 }
@@ -43,7 +62,6 @@ install_vllm_code() {
 # The rollout chain's tools (tests/test_chain.py): bubblewrap runs each sandbox, debootstrap builds the image root.
 # Installed with apt when this is root on Debian; otherwise one line says what to install. CI=true makes it fatal.
 CHAIN_PACKAGES=(bubblewrap debootstrap)
-CHAIN_IMAGE="${CHAIN_IMAGE:-.chain-image}"
 CHAIN_TOOLS=(bwrap debootstrap)
 
 chain_missing() {
@@ -123,6 +141,18 @@ apt_mirror() {
   if [ -n "$found" ]; then printf '%s\n' "${found%%$'\n'*}"; fi
 }
 
+# Debian's Chromium, for the trajectory page's browser test (tests/test_trajectory_page.py): installed with apt when
+# this is root on Debian; otherwise one line says what to install, and CI=true makes it fatal.
+install_browser() {
+  command -v chromium >/dev/null && return 0
+  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
+    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null && return 0
+  fi
+  local line="install chromium (Debian: sudo apt-get install chromium)"
+  if [ "${CI:-}" = "true" ]; then echo "setup.sh: the trajectory page's browser test cannot run: $line" >&2; exit 1; fi
+  echo "setup.sh: the trajectory page's browser test will be skipped: $line" >&2
+}
+
 # Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).
 in_chain_root() {
   local root="$1"
@@ -137,13 +167,18 @@ main() {
   local python
   python="$(find_python)"
   echo "setup.sh: using $python ($("$python" --version 2>&1))"
-  [ -x "$VENV/bin/python" ] || "$python" -m venv "$VENV"
+  place_local_folders
+  [ -x "$VENV/bin/python" ] || "$python" -m venv "$(readlink -f "$VENV")"  # venv refuses a link: its target
   "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q -r requirements-dev.txt
+  # the job's pins and every sandbox backend's (recipe.py): the tests drive Harbor's Daytona and E2B environments
+  "$VENV/bin/python" -c 'import recipe; print(recipe.requirements(*recipe.SANDBOXES), end="")' \
+    >"$VENV/job-requirements.txt"
+  "$VENV/bin/python" -m pip install -q -r "$VENV/job-requirements.txt" -r requirements-dev.txt
   "$VENV/bin/python" -m pip check || echo "setup.sh: pip check reported the conflicts above" >&2
   install_opencode
   install_vllm_code
   if install_chain_tools; then build_chain_image; fi
+  install_browser
   echo "setup.sh: ready. Run the tests with: .venv/bin/python -m pytest"
 }
 

@@ -46,11 +46,14 @@ def duration(total_s: int) -> str:
 # --- The plan --------------------------------------------------------------------------------------------------------
 def checked_steps(steps: int) -> int:
     """The smoke's MAX_STEPS: the recipe's SMOKE_STEPS or fewer, enough for a checkpoint, a resume and a step after."""
-    if not recipe.SMOKE_MIN_STEPS <= steps <= recipe.SMOKE_STEPS:
+    span = f"{recipe.SMOKE_MIN_STEPS}..{recipe.SMOKE_STEPS}"
+    if steps < recipe.SMOKE_MIN_STEPS:
+        raise recipe.ConfigError(f"MAX_STEPS={steps} is too few for a smoke run: use {span} (a checkpoint, a stop, a "
+                                 "resume and a step after it)")
+    if steps > recipe.SMOKE_STEPS:
         raise recipe.ConfigError(
-            f"a smoke run takes MAX_STEPS={recipe.SMOKE_MIN_STEPS}..{recipe.SMOKE_STEPS} (the recipe's smoke test is "
-            f"{recipe.SMOKE_STEPS}; its cap is budgeted for that), not {steps}: use `launch.py train --max-steps "
-            f"{steps}` for a longer run")
+            f"a smoke run takes MAX_STEPS={span} (the recipe's smoke test is {recipe.SMOKE_STEPS}; its cap is budgeted "
+            f"for that), not {steps}: use `launch.py train --max-steps {steps}` for a longer run")
     return steps
 
 

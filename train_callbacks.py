@@ -17,22 +17,46 @@ from transformers import TrainerCallback, TrainerControl, TrainerState, Training
 
 import adapter_repo
 import recipe
+import trajectories
 
 logger = logging.getLogger("train_lora")
 
 
 class CheckpointPusher(TrainerCallback):
-    """Pushes each saved checkpoint-N/ to the adapter repo (transformers v5 has no PushToHubCallback)."""
+    """Pushes each saved checkpoint-N/ to the adapter repo (transformers v5 has no PushToHubCallback), and in the same
+    commit the work folder's records under logs/<job>/ (the step log, the rollout counts and log, the checkpoint's
+    trajectory sample) and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
 
-    def __init__(self, api: Any, repo_id: str, **push_kwargs: Any) -> None:
+    def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job",
+                 **push_kwargs: Any) -> None:
         self.api, self.repo_id, self.push_kwargs = api, repo_id, push_kwargs
+        self.work, self.logs = (Path(work_dir) if work_dir else None), f"{adapter_repo.LOGS_DIR}/{job}"
+
+    def records(self, folder: str) -> dict[str, Path | bytes]:
+        """{repo path: file} of the work folder's records, this checkpoint's trajectory sample and the page."""
+        if self.work is None:
+            return {}
+        names = [recipe.TRAIN_LOG_NAME, recipe.LEDGER_NAME, recipe.ROLLOUT_LOG_NAME]
+        found = [self.work / n for n in names] + recipe.kept_ledgers(self.work)
+        also: dict[str, Path | bytes] = {f"{self.logs}/{p.name}": p for p in found if p.is_file()}
+        sample = recipe.read_json(self.work / recipe.TRAJECTORIES_NAME) or []
+        also[f"{self.logs}/trajectories/{folder}.json"] = json.dumps(sample, indent=1).encode()
+        try:  # the page reads the repo: a failed read costs the page this time, never the checkpoint
+            docs = trajectories.repo_docs(self.api, self.repo_id)
+            docs["samples"][folder] = sample
+            docs["train_logs"][self.logs.rsplit("/", 1)[-1]] = recipe.read_json(self.work / recipe.TRAIN_LOG_NAME)
+            also[trajectories.PAGE_PATH] = trajectories.page(self.repo_id, docs).encode()
+        except Exception as error:  # noqa: BLE001
+            logger.warning("%s not rebuilt (%s); the next push rebuilds it", trajectories.PAGE_PATH,
+                           adapter_repo.describe(error))
+        return also
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         if not state.is_world_process_zero:
             return
         folder = adapter_repo.checkpoint_name(state.global_step)
         adapter_repo.push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True,
-                                 **self.push_kwargs)
+                                 also=self.records(folder), **self.push_kwargs)
 
 
 class Heartbeat(TrainerCallback):

@@ -430,7 +430,8 @@ def build_trainer(
     trainer_cls = train_resume.positioned(train_weight_sync.trainer_class(settings.weight_sync))
     callbacks = [
         train_callbacks.Heartbeat(settings.heartbeat_file),
-        train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo),
+        train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo,
+                                         Path(settings.heartbeat_file).parent, dashboard.job_id(os.environ)),
         train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
     ]
     if settings.stop_after_step:

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 import recipe
+import trajectories
 from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
@@ -80,15 +81,18 @@ class Ledger:
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
         self.log_path = self.path.with_name(recipe.ROLLOUT_LOG_NAME)
+        self._sample: deque[dict[str, Any]] = deque(maxlen=recipe.TRAJECTORY_SAMPLE)  # the last ones, for reading
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._write()
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
                timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0,
-               task: str | None = None, reward: float | None = None, trial: Path | None = None) -> None:
+               task: str | None = None, reward: float | None = None, trial: Path | None = None,
+               trajectory: dict[str, Any] | None = None) -> None:
         """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
         (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture); `task`,
-        `reward` and its Harbor `trial` folder go to its log line only. Raises SystematicRolloutFailure on a trip,
+        `reward` and its Harbor `trial` folder go to its log line only, its `trajectory` (trajectories.trajectory) to
+        the sample of the last ones (recipe.TRAJECTORIES_NAME). Raises SystematicRolloutFailure on a trip,
         ValueError for a timing part not in TIMING_PARTS (a caller's bug, refused before anything is counted)."""
         unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
         if unknown:
@@ -115,9 +119,13 @@ class Ledger:
             failed = [c for c in self._recent if c is not None]
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
-            self._log({"task": task, "outcome": failure or ("timed_out" if timed_out else "scored"), "reward": reward,
-                       "error": error[:500], "trial": str(trial) if trial else None,
-                       "trial_kept": trial.exists() if trial else None, "at": state["updated"]})
+            outcome = failure or ("timed_out" if timed_out else "scored")
+            self._log({"task": task, "outcome": outcome, "reward": reward, "error": error[:500],
+                       "trial": str(trial) if trial else None, "trial_kept": trial.exists() if trial else None,
+                       "at": state["updated"]})
+            if trajectory is not None:
+                self._sample.append({**trajectory, "outcome": outcome})
+                recipe.write_json(self.path.with_name(recipe.TRAJECTORIES_NAME), list(self._sample))
             if len(self._streak) >= self.streak_limit:
                 state["stopped"] = self._stop_line(f"{len(self._streak)} rollouts in a row were unscorable",
                                                    self._streak, failure, error)
@@ -271,10 +279,13 @@ class GuardedSession:
                 self._recorded = True
                 # The inner session times its trial when it closes (harbor_sessions; scripted sessions do not).
                 capture = self.capture or Capture([], False, 0)
+                result = getattr(self.inner, "result", None)  # HarborSession's: the capture and Harbor's verdict
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
                                    timing=getattr(self.inner, "timing", None), forked=capture.forked,
                                    tool_calls=capture.tool_calls, task=self.task, reward=self.reward,
-                                   trial=getattr(self.inner, "trial_dir", None))
+                                   trial=getattr(self.inner, "trial_dir", None),
+                                   trajectory=None if result is None else trajectories.trajectory(
+                                       result, task=self.task, reward=self.reward, tool_calls=capture.tool_calls))
 
 
 class GuardedSessionFactory:

@@ -17,7 +17,9 @@ that commit left (as on the Hub, where a commit id is an immutable snapshot), so
 the older tree. Any other revision (None, a branch name, an id from elsewhere) reads the latest tree.
 
 `run_job` mirrors huggingface_hub 2.4.0's `HfApi.run_job` (launch.py runs on >= 2.1.1; `expose_public` does not
-exist in the 1.x installed here): its parameters are checked against `RUN_JOB_2_4_0` in the contract test.
+exist in the 1.x installed here): its parameters are checked against `RUN_JOB_2_4_0` in the contract test. The jobs it
+starts are listed by `list_jobs` and `inspect_job` (the same signatures in 1.33 and 2.4.0, read off both) until
+`end_job` gives one a final stage, as the platform does when a job exits or is cancelled.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ import fnmatch
 import hashlib
 import shutil
 import threading
+from collections.abc import Iterable
 from pathlib import Path
 
 import httpx
@@ -63,6 +66,7 @@ class LocalHub:
         self.writable: set[str] = set()
         self.commits: list[tuple[str, str, list[str]]] = []  # (repo_id, message, paths)
         self.jobs: list[dict[str, object]] = []  # run_job's arguments, as given
+        self.stages: dict[str, str] = {}  # job id -> its stage (RUNNING until end_job)
         self._heads: dict[str, int] = {}
         self._stale: dict[str, tuple[str, int]] = {}  # repo -> (the head reads still answer, reads left)
         self._committing: set[str] = set()  # repos with a commit being applied
@@ -279,5 +283,27 @@ class LocalHub:
         given = {"image": image, "command": command, "env": env, "secrets": secrets, "flavor": flavor,
                  "timeout": timeout, "name": name, "expose_public": expose_public, "token": token}
         self.jobs.append({k: v for k, v in given.items() if v is not None})
-        return JobInfo(id=f"68a{len(self.jobs):021d}", owner={"id": "u1", "name": OWNER, "type": "user"},
-                       status={"stage": "RUNNING"}, endpoint=ENDPOINT)
+        job_id = f"68a{len(self.jobs):021d}"
+        self.stages[job_id] = "RUNNING"
+        return self._job_info(job_id)
+
+    def end_job(self, job_id: str, stage: str = "ERROR") -> None:
+        """What the platform does when a job exits (COMPLETED, ERROR) or is cancelled (CANCELED)."""
+        self.stages[job_id] = stage
+
+    def _job_info(self, job_id: str) -> JobInfo:
+        spec = self.jobs[int(job_id[3:]) - 1]
+        return JobInfo(id=job_id, owner={"id": "u1", "name": OWNER, "type": "user"}, command=spec["command"],
+                       environment=spec.get("env") or {}, flavor=spec.get("flavor"),
+                       status={"stage": self.stages[job_id]}, endpoint=ENDPOINT)
+
+    def list_jobs(self, *, status: list[str] | str | None = None, namespace: str | None = None) -> Iterable[JobInfo]:
+        """The token owner's jobs, newest first, only those in `status` when given (the Hub filters by stage)."""
+        stages = [status] if isinstance(status, str) else status
+        return [self._job_info(job_id) for job_id in reversed(self.stages)
+                if stages is None or self.stages[job_id] in {str(s).upper() for s in stages}]
+
+    def inspect_job(self, *, job_id: str, namespace: str | None = None) -> JobInfo:
+        if job_id not in self.stages:
+            raise_hub_error(404, f"{ENDPOINT}/api/jobs/{OWNER}/{job_id}", "Job not found")
+        return self._job_info(job_id)

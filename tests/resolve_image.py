@@ -10,9 +10,10 @@
    `pip --python <that venv> install --dry-run --report -c <image_check.vllm_constraints> -r <the rest>`;
    what it would install is laid over the set.
 4. `pip check` on the result: the breaks the job will see (tests/test_image_install.py replays this offline).
-5. Each sandbox backend's requirements file (recipe.SANDBOXES: SANDBOX=daytona|e2b adds it to the install step's
-   pip call), resolved the same way over the set step 3 leaves, recorded as what it adds or changes and its
-   `pip check`; and once without the file's own pins (what they are for: the breaks without them).
+5. Each sandbox backend's pins (recipe.SANDBOXES: SANDBOX=daytona|e2b adds them to the install step's pip call),
+   resolved the same way over the set step 3 leaves, recorded as what they add or change and their `pip check`;
+   and once without the backend's own pins beyond Harbor's extra and the SDK (what they are for: the breaks
+   without them).
    `--sandboxes` redoes only this step, over the recorded set (the image's answer moves with PyPI; this keeps
    the reviewed one).
 
@@ -50,9 +51,10 @@ def norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def requirements_digest() -> str:
-    """What the resolution depends on in this repo: the pins the job installs."""
-    return hashlib.sha256(recipe.REQUIREMENTS.read_bytes()).hexdigest()
+def requirements_digest(text: str = recipe.JOB_REQUIREMENTS) -> str:
+    """What the resolution depends on in this repo: the pins the job installs (their lines, comments left out)."""
+    pins = [line.split("#", 1)[0].strip() for line in text.splitlines()]
+    return hashlib.sha256("\n".join(pin for pin in pins if pin).encode()).hexdigest()
 
 
 def pip(*args: str) -> subprocess.CompletedProcess:
@@ -100,34 +102,35 @@ def pip_check(python: Path) -> list[str]:
     return sorted(line for line in out.stdout.splitlines() if line.strip() and not line.startswith("No broken"))
 
 
-def backend_files(rest: list[str]) -> dict[str, tuple[Path, list[str]]]:
-    """Per sandbox backend: its requirements file and the lines of step 3's file plus it without its extra pins."""
+def backend_lines(rest: list[str]) -> dict[str, tuple[list[str], list[str]]]:
+    """Per sandbox backend with pins of its own (recipe.SANDBOXES): step 3's lines plus them, and plus them without the
+    pins that are neither Harbor's extra nor the SDK (what those pins are for)."""
     out = {}
     for sandbox, spec in recipe.SANDBOXES.items():
         if spec["requirements"]:
-            path = ROOT / spec["requirements"]
-            bare = [line for line in path.read_text().splitlines()
+            lines = [line for line in spec["requirements"].splitlines() if line.split("#", 1)[0].strip()]
+            bare = [line for line in lines
                     if norm(re.split(r"[\[<>=!~ ]", line, maxsplit=1)[0]) in ("harbor", norm(sandbox))]
-            out[sandbox] = (path, rest + bare)
+            out[sandbox] = (rest + lines, rest + bare)
     return out
 
 
 def resolve_backends(rest: list[str], after: dict[str, dict], constraints: list[str]) -> dict[str, dict]:
-    """Step 5, for every backend: its requirements file installed the job's way (one pip call with requirements.txt, the
-    same constraints) over the packages the install step leaves (`after`), then `pip check`."""
+    """Step 5, for every backend: its pins installed the job's way (in the one pip call with the job's, the same
+    constraints) over the packages the install step leaves (`after`), then `pip check`."""
     found = {}
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         python, site = fake_env(tmp / "job")
         (tmp / "constraints.txt").write_text("\n".join(constraints) + "\n")
-        (tmp / "rest.txt").write_text("\n".join(rest) + "\n")
-        for sandbox, (path, bare_lines) in backend_files(rest).items():
-            entry: dict = {"requirements_sha256": hashlib.sha256(path.read_bytes()).hexdigest()}
-            variants = {"with": ["-r", str(tmp / "rest.txt"), "-r", str(path)]}
-            if len(bare_lines) < len(rest) + len(requirement_lines(path)):  # the file has pins of its own
-                (tmp / "bare.txt").write_text("\n".join(bare_lines) + "\n")
-                variants["without_pins"] = ["-r", str(tmp / "bare.txt")]
-            for key, args in variants.items():
+        for sandbox, (with_lines, bare_lines) in backend_lines(rest).items():
+            entry: dict = {"requirements_sha256": requirements_digest(recipe.SANDBOXES[sandbox]["requirements"])}
+            variants = {"with": with_lines}
+            if bare_lines != with_lines:  # the backend has pins of its own
+                variants["without_pins"] = bare_lines
+            for key, lines in variants.items():
+                (tmp / "rest.txt").write_text("\n".join(lines) + "\n")
+                args = ["-r", str(tmp / "rest.txt")]
                 lay_out(site, after)
                 step = resolve(["-c", str(tmp / "constraints.txt"), *args], python)
                 lay_out(site, {**after, **step})
@@ -137,20 +140,15 @@ def resolve_backends(rest: list[str], after: dict[str, dict], constraints: list[
     return found
 
 
-def requirement_lines(path: Path) -> list[str]:
-    return [line for line in path.read_text().splitlines() if line.strip() and not line.startswith("#")]
-
-
 def main() -> None:
-    rest = [line for line in recipe.REQUIREMENTS.read_text().splitlines() if not line.startswith("transformers")]
+    tf_pin = next(line.strip() for line in recipe.JOB_REQUIREMENTS.splitlines() if line.startswith("transformers=="))
+    rest = [line for line in recipe.JOB_REQUIREMENTS.splitlines() if not line.startswith("transformers")]
     if sys.argv[1:] == ["--sandboxes"]:
         recorded = json.loads(RESOLUTION.read_text())
         recorded["sandboxes"] = resolve_backends(rest, recorded["after"], recorded["constraints"])
         RESOLUTION.write_text(json.dumps(recorded, indent=1) + "\n")
         report(recorded["sandboxes"])
         return
-    tf_pin = next(line.strip() for line in recipe.REQUIREMENTS.read_text().splitlines()
-                  if line.startswith("transformers=="))
     image = resolve(["--ignore-installed", f"vllm=={recipe.VLLM_VERSION}"])
     with tempfile.TemporaryDirectory() as tmp:
         python, site = fake_env(Path(tmp) / "image")

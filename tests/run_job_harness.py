@@ -22,8 +22,8 @@ import recipe
 
 ROOT = Path(__file__).resolve().parents[1]
 STUBS = Path(__file__).resolve().parent / "stubs"
-REAL = ["run_job.sh", "common.sh", "recipe.py", "image_check.py", "requirements.txt", "serve_policy.sh",
-        "chat_template.py", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "train_rollouts.py",
+REAL = ["run_job.sh", "common.sh", "recipe.py", "image_check.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
+        "seam_patch.py", "capture_gateway.py", "train_rollouts.py", "trajectories.py", "adapter_repo.py",
         "sandbox_lifecycle.py"]
 FAKES = {"train_lora.py": "fake_trainer.py", "prepare_tasks.py": "fake_prepare_tasks.py",
          "run_eval.sh": "fake_run_eval.sh", "smoke_report.py": "fake_smoke_report.py",

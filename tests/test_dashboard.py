@@ -71,7 +71,7 @@ class TrackioHub:
         from trackio import deploy
 
         for name in ("repo_info", "create_repo", "add_space_secret", "add_space_variable", "delete_space_variable",
-                     "login"):
+                     "login", "create_bucket"):
             monkeypatch.setattr(huggingface_hub, name, getattr(self, name))
         monkeypatch.setattr(huggingface_hub.HfApi, "whoami", lambda api, *a, **k: {"type": "user", "name": "alice"})
         monkeypatch.setattr(deploy, "_warn_if_space_build_fails", lambda space_id: None)  # polls the Hub for 10 min
@@ -79,6 +79,12 @@ class TrackioHub:
         monkeypatch.setattr(huggingface_hub.HfApi, "bucket_info", lambda api, bucket_id, **_: raise_hub_error(
             404, f"{ENDPOINT}/api/buckets/{bucket_id}", "Bucket not found", "RepoNotFound"))
         monkeypatch.setattr(huggingface_hub.HfApi, "upload_file", lambda api, **kwargs: self.upload_file(**kwargs))
+        # The bucket trackio.init mounts at the Space's /data (a new Space has no volumes and no variables yet).
+        new = huggingface_hub.SpaceRuntime({"stage": "BUILDING", "volumes": []})
+        monkeypatch.setattr(huggingface_hub.HfApi, "get_space_runtime", lambda api, repo_id, **_: new)
+        monkeypatch.setattr(huggingface_hub.HfApi, "set_space_volumes",
+                            lambda api, repo_id, volumes, **_: self.calls.append(("set_space_volumes", repo_id)))
+        monkeypatch.setattr(huggingface_hub.HfApi, "get_space_variables", lambda api, repo_id, **_: {})
         monkeypatch.setattr(trackio, "RemoteClient", self.remote_client)
 
     def repo_info(self, repo_id: str, **_: object) -> huggingface_hub.SpaceInfo:
@@ -98,6 +104,9 @@ class TrackioHub:
         self.calls.append(("upload_file", repo_id, path_in_repo))
         return CommitInfo(commit_url=f"{ENDPOINT}/spaces/{repo_id}/commit/{'0' * 40}", commit_message="",
                           commit_description="", oid="0" * 40)
+
+    def create_bucket(self, bucket_id: str, **_: object) -> None:
+        self.calls.append(("create_bucket", bucket_id))
 
     def add_space_secret(self, repo_id: str, key: str, value: str, **_: object) -> None:
         self.calls.append(("add_space_secret", repo_id, key, value))
@@ -151,22 +160,21 @@ def test_trackio_copies_the_token_and_turns_on_mcp_only_when_it_creates_the_spac
     assert deploy.create_space_if_not_exists("alice/existing", private=True) is False and hub.calls == []
 
 
-def test_a_space_prepared_beforehand_keeps_the_jobs_token_out_of_it(monkeypatch, capsys):
-    """Issue 26 (13): `dashboard.py prepare-space` creates the Space under a token scoped to it, MCP off; the job's
-    Trackio (under the job's write token) then finds it and copies nothing into it."""
-    from trackio import deploy
+def test_the_default_dashboard_path_never_copies_the_jobs_token_into_the_space(monkeypatch, capsys, tmp_path):
+    """Issue 43 (6): REPORT_TO=trackio (the default) with no Space yet: trackio 0.43.0's own deploy code creates it,
+    and must not store the job's write token in it as a secret, nor turn on its MCP server. The Space needs neither:
+    Trackio's server checks each writer's own token (`check_hf_token_has_write_access`)."""
+    import trackio
 
-    scoped = "hf_" + "ScopedDashboardToken0123456789abcd"  # a fake, assembled so scanners skip it
-    monkeypatch.setenv("HF_TOKEN", scoped)
-    monkeypatch.setenv("DASHBOARD_SPACE", "lfm-dashboard")
+    monkeypatch.setenv("HF_TOKEN", CANARY)
     hub = TrackioHub(monkeypatch, spaces=set())
-    assert dashboard.main(["prepare-space"]) == 0
-    assert ("create_repo", "alice/lfm-dashboard", "space") in hub.calls
-    assert ("add_space_secret", "alice/lfm-dashboard", "HF_TOKEN", scoped) in hub.calls
-    assert hub.calls[-1] == ("delete_space_variable", "alice/lfm-dashboard", "GRADIO_MCP_SERVER")
-    out = capsys.readouterr().out
-    assert f"dashboard: created {dashboard.SPACE_URL.format('alice/lfm-dashboard')} (private, MCP server off)" in out
-    assert scoped not in out
-    hub.calls.clear()
-    monkeypatch.setenv("HF_TOKEN", CANARY)  # the job
-    assert deploy.create_space_if_not_exists("alice/lfm-dashboard", private=True) is False and hub.calls == []
+    space = "alice/lfm-dashboard"
+    try:
+        dashboard.init_run("dashboard-new-space", f"train-{tmp_path.name}", space, {"HF_TOKEN": CANARY})
+    finally:
+        trackio.context_vars.current_run.set(None)
+    out, err = capsys.readouterr()
+    assert ("create_repo", space, "space") in hub.calls and ("upload_file", space, "app.py") in hub.calls
+    assert [c for c in hub.calls if c[0] == "add_space_secret" or CANARY in c] == []
+    assert ("add_space_variable", space, "GRADIO_MCP_SERVER", "True") not in hub.calls
+    assert CANARY not in out + err

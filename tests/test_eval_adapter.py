@@ -705,7 +705,7 @@ def make_eval_job(tmp_path):
     app = tmp_path / "app"
     app.mkdir()
     for name in ("run_eval.sh", "run_eval_watch.sh", "common.sh", "image_check.py", "recipe.py", "adapter_repo.py",
-                 "requirements.txt", "serve_policy.sh", "chat_template.py", "serve_env.sh", "seam_patch.py",
+                 "serve_policy.sh", "chat_template.py", "serve_env.sh", "seam_patch.py",
                  "capture_gateway.py"):
         shutil.copy(ROOT / name, app / name)
     shutil.copy(stubs / "fake_prepare_tasks.py", app / "prepare_tasks.py")

@@ -392,6 +392,69 @@ def test_a_smoke_watcher_whose_run_is_cleared_under_it_starts_over_on_the_new_ru
     assert len(base_calls) == 2 * (N_TASKS + retries)  # the first run's base cells, then the new run's
 
 
+# --- the watcher stops once the run it watches has ended (issue 43, item 1) ------------------------------------------
+def start_job(hub, mode, repo):
+    """A training (or smoke) job on `repo`, started as launch.py starts it; returns its id."""
+    import launch
+
+    spec = launch.job_spec(mode, "you/code", "0" * 40, {"ADAPTER_REPO": repo}, {"HF_TOKEN": "x"})
+    return hub.run_job(**spec, token="x").id
+
+
+def at_minutes(**events):
+    """Clock callbacks for a 60 s poll: events["m30"] runs in the sleep that ends at minute 30."""
+    return [events.get(f"m{minute}", lambda: None) for minute in range(1, 24 * 60)]
+
+
+def test_a_smoke_watcher_stops_within_one_poll_of_its_runs_report(hub, vllm, adapter_dir, tmp_path, caplog):
+    """Issue 43 (1): the smoke run fails half an hour in (its report, NO-GO, marks it finished); the watcher, launched
+    with the smoke's 8 h idle limit, evaluates what the run pushed and stops at its next poll, saying why."""
+    hub.create_repo(SMOKE)
+    job = start_job(hub, "smoke", SMOKE)
+    smoke_report.clear(hub, SMOKE)
+    push_folder(hub, SMOKE, adapter_dir, "checkpoint-2", marker=True)
+
+    def fail() -> None:
+        smoke_report.push(hub, SMOKE, {"verdict": "NO-GO"})
+        hub.end_job(job, "ERROR")
+
+    clock = Clock(*at_minutes(m30=fail))
+    caplog.set_level("INFO", logger="eval_watch")
+    w = ew.Watcher(hub, SMOKE, EvalFactoryDouble(vllm.url, outcome), ea.LoraServer(vllm.url), TASKS, tmp_path / "w",
+                   n_tasks=N_TASKS, concurrency=1, poll_s=60, max_idle_s=8 * 3600, clock=clock, sleep=clock.sleep)
+    assert w.run() == "ended" and clock.now <= 30 * 60 + 60
+    assert repo_json(hub, adapter_repo.watch_results_path("checkpoint-2"), SMOKE)["complete"]
+    assert any("finished" in r.message and "stopping" in r.message for r in caplog.records)
+
+
+@pytest.mark.parametrize("mode", ["smoke", "train"])
+def test_a_watcher_stops_within_one_poll_of_its_training_job_crashing(hub, vllm, adapter_dir, tmp_path, caplog, mode):
+    """Issue 43 (1): the training job dies without a word (no report, no final adapter): the platform ends it (its
+    own watchdog fails a stalled trainer, STALL_MINUTES). A relaunch that is running by the next poll keeps the
+    watcher on; once no training job runs on the repo, it stops at the next poll, naming the job."""
+    repo = SMOKE if mode == "smoke" else REPO
+    hub.create_repo(repo, exist_ok=True)
+    first = start_job(hub, mode, repo)
+    if mode == "smoke":
+        smoke_report.clear(hub, repo)
+    push_folder(hub, repo, adapter_dir, "checkpoint-2", marker=True)
+    later: list[str] = []
+
+    def relaunch() -> None:
+        hub.end_job(first, "ERROR")
+        later.append(start_job(hub, mode, repo))
+
+    clock = Clock(*at_minutes(m10=relaunch if mode == "train" else lambda: hub.end_job(first, "ERROR"),
+                              m60=lambda: hub.end_job(later[0], "ERROR") if later else None))
+    caplog.set_level("INFO", logger="eval_watch")
+    w = ew.Watcher(hub, repo, EvalFactoryDouble(vllm.url, outcome), ea.LoraServer(vllm.url), TASKS, tmp_path / "w",
+                   n_tasks=N_TASKS, concurrency=1, poll_s=60, max_idle_s=8 * 3600, clock=clock, sleep=clock.sleep)
+    assert w.run() == "ended"
+    ended = later[0] if later else first
+    assert clock.now <= (60 if later else 10) * 60 + 60
+    assert any(ended in r.message and "ERROR" in r.message for r in caplog.records)
+
+
 def test_a_watcher_whose_head_read_lags_evaluates_each_checkpoint_at_a_commit_that_holds_its_weights(hub, vllm,
                                                                                                     tmp_path):
     """FACTS "Hub commits": repo_info can answer a head older than the latest push. Safe as it is: the watcher lists

@@ -230,7 +230,7 @@ def test_recipe_table_is_generated_from_recipe(made, tmp_path, capsys, monkeypat
     assert "| Learning rate | 3e-06 |" in body
     assert "| Output cap | 1234 tokens per model call" in body
     assert "@ `0123456789abcdef0123456789abcdef01234567`" in body
-    assert "trl==1.15.0" in body and "transformers==5.17.0" in body  # read from requirements.txt
+    assert "trl==1.15.0" in body and "transformers==5.17.0" in body  # read from recipe.JOB_REQUIREMENTS
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -491,3 +491,23 @@ def test_every_usage_snippet_loads_the_base_at_the_pinned_revision_which_the_ada
         assert f'revision="{revision}"' in line or f"--revision {revision} --tokenizer-revision {revision}" in line
     assert PeftConfig.from_pretrained(str(out / "adapter")).revision == revision
     assert f"`adapter_config.json` (`revision`: `{revision}`)" in body
+
+
+def test_messages_name_the_right_fix(made, tmp_path, capsys):
+    """Issue 43 (14): without --target the example was the training repo's own name (which is then refused); a
+    --source folder that does not exist was "not a valid repo id"."""
+    rc, _, err = run(["--source", "you/LFM2.5-2.6B-opencode-lora-RL"], capsys, env={"HF_TOKEN": CANARY})
+    assert rc == 2 and err.count("\n") == 1 and err.endswith("e.g. --target=you/LFM2.5-2.6B-opencode-lora\n")
+    rc, _, err = run(["--source", "./nonexistent", "--target", "you/x"], capsys, env={"HF_TOKEN": CANARY})
+    assert rc == 2 and err == ("export_adapter.py: --source ./nonexistent: folder not found (a repo id is owner/name): "
+                               "check the path\n")
+
+
+def test_dry_run_prints_the_plan_and_touches_nothing(made, tmp_path, capsys):
+    """Issue 43 (14): export_adapter.py had no --dry-run."""
+    argv = ["--source", "you/LFM2.5-2.6B-opencode-lora-RL", "--target", "you/pub", "--merged", "--dry-run"]
+    rc, out, err = run(argv, capsys, env={"HF_TOKEN": CANARY}, make_api=lambda t: pytest.fail("no Hub client"))
+    assert rc == 0 and err == ""
+    assert json.loads(out) == {"source": "you/LFM2.5-2.6B-opencode-lora-RL", "checkpoint": "final",
+                               "push": ["you/pub", "you/pub-merged"], "merged_dtype": "bfloat16",
+                               "base_model": f"{recipe.BASE_MODEL}@{recipe.BASE_MODEL_REVISION}"}

@@ -57,20 +57,16 @@ def test_pins_hold_in_the_installed_environment() -> None:
     recipe.check_versions(("trl", "transformers", "peft", "openenv", "kernels", "harbor", "huggingface-hub"))
 
 
-def test_check_versions_names_the_fix_for_a_wrong_version(tmp_path: Path) -> None:
-    reqs = tmp_path / "requirements.txt"
-    reqs.write_text("trl[peft]==1.16.0  # what a user might have\n")
+def test_check_versions_names_the_fix_for_a_wrong_version() -> None:
     with pytest.raises(recipe.ConfigError) as err:
-        recipe.check_versions(("trl",), reqs)
+        recipe.check_versions(("trl",), "trl[peft]==1.16.0  # what a user might have\n")
     assert f"trl {metadata.version('trl')} is installed" in str(err.value)
     assert "pip install 'trl==1.16.0'" in str(err.value)
 
 
-def test_check_versions_reports_a_missing_package(tmp_path: Path) -> None:
-    reqs = tmp_path / "requirements.txt"
-    reqs.write_text("no-such-package-xyz==1.0\n")
+def test_check_versions_reports_a_missing_package() -> None:
     with pytest.raises(recipe.ConfigError, match="no-such-package-xyz is not installed"):
-        recipe.check_versions(("no-such-package-xyz",), reqs)
+        recipe.check_versions(("no-such-package-xyz",), "no-such-package-xyz==1.0\n")
 
 
 def test_recipe_cli_prints_knobs_for_shell_scripts() -> None:
@@ -302,7 +298,7 @@ def test_unset_or_empty_knob_is_the_recipe_default() -> None:
     for env in ({}, {"RESUME": "", "DRY_RUN": " ", "STALL_MINUTES": ""}):
         assert (recipe.knob("RESUME", env), recipe.knob("DRY_RUN", env)) == (True, False)
         assert recipe.knob("STALL_SECONDS", env) == recipe.STALL_MINUTES * 60
-    assert recipe.knob("STALL_SECONDS", {"STALL_MINUTES": "0.01"}) == 1  # never rounds down to "no limit"
+    assert recipe.knob("STALL_SECONDS", {"STALL_MINUTES": "30.001"}) == 1801  # rounds up, never down
     assert recipe.knob("MAX_STEPS", {"MAX_STEPS": "9"}, value="12") == 12  # a flag wins over the environment
 
 
@@ -365,7 +361,7 @@ def test_knobs_that_fail_together_are_refused_in_one_line_by_the_preflight(case:
 
 def test_space_host_is_kept_as_a_bare_host_and_a_sane_combination_passes() -> None:
     env = {"PATH": "/usr/bin:/bin", "SPACE_HOST": "https://68abc--8000.hf.jobs/", "MAX_STEPS": "50",
-           "SAVE_STEPS": "50", "STALL_MINUTES": "1", "WATCH_INTERVAL": "60", "EVAL_CONCURRENCY": "64"}
+           "SAVE_STEPS": "50", "STALL_SECONDS": "60", "WATCH_INTERVAL": "60", "EVAL_CONCURRENCY": "64"}
     out = subprocess.run([sys.executable, "recipe.py", "--env", *JOB_KNOB_NAMES], cwd=ROOT, env=env,
                          capture_output=True, text=True, check=True).stdout.splitlines()
     assert "SPACE_HOST=68abc--8000.hf.jobs" in out and "SAVE_STEPS=50" in out and "STALL_SECONDS=60" in out
@@ -411,7 +407,7 @@ def test_readme_launches_with_one_plain_command_in_any_shell() -> None:
 
 def test_launcher_inline_metadata_brings_its_own_hub_client() -> None:
     """`uv run launch.py` reads the PEP 723 block: it must ask for the hub client run_job(expose_public=) needs
-    and the tomli-w pin of requirements.txt (prepare_tasks.py imports it)."""
+    and the tomli-w pin of recipe.JOB_REQUIREMENTS (prepare_tasks.py imports it)."""
     source = (ROOT / "launch.py").read_text()
     block = re.search(r"^# /// script$\n((?:^#(?: .*)?$\n)+)^# ///$", source, re.M)
     assert block, "launch.py has no `# /// script` block"
@@ -457,3 +453,13 @@ def test_the_ports_a_test_asks_for_at_once_are_never_the_same_port() -> None:
     picks = [free_ports(3) for _ in range(20_000)]
     assert all(len(set(ports)) == 3 for ports in picks)
     assert all(0 < port < 65536 for ports in picks for port in ports)
+
+
+def test_help_is_help_not_a_knob_or_a_file_name(tmp_path: Path) -> None:
+    """Issue 43 (14): `recipe.py --help` said "unknown knob '--help'"; `chat_template.py --help` wrote the template
+    to a file named --help and exited 0."""
+    for script in ("recipe.py", "chat_template.py"):
+        proc = subprocess.run([sys.executable, str(ROOT / script), "--help"], cwd=tmp_path, capture_output=True,
+                              text=True, timeout=60)
+        assert proc.returncode == 0 and proc.stdout.startswith("usage: "), (script, proc.stdout, proc.stderr)
+    assert list(tmp_path.iterdir()) == []

@@ -4,7 +4,9 @@ return, fails here instead of on the user's first job.
 For every `HfApi` method a script calls (`api.<method>(` in any top-level script) and every method the double
 has: its parameters are a subset of the installed `HfApi` method's (same names, kinds and defaults, no
 `**kwargs`), every parameter the real one requires is there, and what it returns is an instance of the real
-method's annotated return type. `run_job` is checked against huggingface_hub 2.4.0 (launch.py's environment).
+method's annotated return type. `run_job` is checked against huggingface_hub 2.4.0 (launch.py's environment);
+`list_jobs` and `inspect_job`, which launch.py (2.x) and eval_watch.py (1.x, in the job) both call, have the same
+signature in 2.4.0 as in the installed 1.33 (read off both wheels), so the installed one checks them.
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ def called_methods() -> set[str]:
 
 def double_methods() -> set[str]:
     return {name for name, _ in inspect.getmembers(LocalHub, inspect.isfunction) if not name.startswith("_")} - {
-        "head"}
+        "head", "end_job"}  # the double's own: what the Hub or the platform does, not a client call
 
 
 def params(function: object) -> dict[str, inspect.Parameter]:
@@ -96,6 +98,8 @@ def calls(hub: LocalHub, tmp_path: Path) -> dict[str, object]:
     out["hf_hub_download"] = hub.hf_hub_download(REPO, "x.json", local_dir=tmp_path / "dl")
     out["snapshot_download"] = hub.snapshot_download(REPO, local_dir=tmp_path / "snap", allow_patterns=["f/*"])
     out["run_job"] = hub.run_job(image="i", command=["true"], token="t")
+    out["list_jobs"] = hub.list_jobs(status=["RUNNING", "SCHEDULING"])
+    out["inspect_job"] = hub.inspect_job(job_id=out["run_job"].id)
     out["whoami"] = hub.whoami()
     out["auth_check"] = hub.auth_check(REPO, write=True)
     return out

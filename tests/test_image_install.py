@@ -1,12 +1,11 @@
 """run_job.sh's install step against the vLLM image, offline: tests/image_resolution.json is pip's own answer
 (tests/resolve_image.py, with PyPI) for the image's packages and what the install step changes, for each sandbox
-backend too (SANDBOX=daytona|e2b adds its requirements file); here the result is laid out again as package metadata
+backend too (SANDBOX=daytona|e2b adds its pins, recipe.SANDBOXES); here the result is laid out again as package metadata
 and real `pip check` runs on it, so the breaks the job will see, the job-side filter (image_check.py) and
 recipe.PIP_CHECK_ACCEPTED are checked against each other."""
 
 from __future__ import annotations
 
-import hashlib
 import json
 import subprocess
 import sys
@@ -37,7 +36,7 @@ def after_install(resolution, tmp_path_factory) -> tuple[Path, Path]:
 
 def test_resolution_is_for_this_recipe(resolution):
     assert resolution["vllm"] == recipe.VLLM_VERSION, REGENERATE
-    assert resolution["requirements_sha256"] == requirements_digest(), f"requirements.txt changed: {REGENERATE}"
+    assert resolution["requirements_sha256"] == requirements_digest(), f"recipe.JOB_REQUIREMENTS changed: {REGENERATE}"
     assert resolution["python"] == f"{sys.version_info.major}.{sys.version_info.minor}"
 
 
@@ -98,12 +97,12 @@ def vllm_ranges_hold(resolution: dict, packages: dict[str, dict]) -> None:
             assert after[name] in req.specifier, f"{name} {after[name]} outside vLLM's {req.specifier}"
 
 
-# --- SANDBOX=daytona|e2b: the backend's requirements file in the same pip call ----------------------------------------
+# --- SANDBOX=daytona|e2b: the backend's pins in the same pip call -----------------------------------------------------
 BACKENDS = [sandbox for sandbox, spec in recipe.SANDBOXES.items() if spec["requirements"]]
 
 
 def backend_install(resolution: dict, sandbox: str, variant: str, folder: Path) -> tuple[dict, list[str]]:
-    """The job's packages after the install step with the backend's file (`variant`), and real `pip check` on them."""
+    """The job's packages after the install step with the backend's pins (`variant`), and real `pip check` on them."""
     packages = {**resolution["after"], **resolution["sandboxes"][sandbox][variant]["packages"]}
     python, site = fake_env(folder)
     lay_out(site, packages)
@@ -111,12 +110,12 @@ def backend_install(resolution: dict, sandbox: str, variant: str, folder: Path) 
 
 
 @pytest.mark.parametrize("sandbox", BACKENDS)
-def test_a_backends_install_is_resolved_for_its_requirements_file(resolution, sandbox):
+def test_a_backends_install_is_resolved_for_its_pins(resolution, sandbox):
     entry = resolution["sandboxes"][sandbox]
-    path = ROOT / recipe.SANDBOXES[sandbox]["requirements"]
-    assert entry["requirements_sha256"] == hashlib.sha256(path.read_bytes()).hexdigest(), \
-        f"{path.name} changed: regenerate it: .venv/bin/python tests/resolve_image.py --sandboxes (needs PyPI)"
-    pinned = recipe.pinned_versions(path)[sandbox]  # the SDK release tests/chain's doubles are typed against
+    pins = recipe.SANDBOXES[sandbox]["requirements"]
+    assert entry["requirements_sha256"] == requirements_digest(pins), \
+        f"recipe.SANDBOXES[{sandbox!r}]'s pins changed: run .venv/bin/python tests/resolve_image.py --sandboxes"
+    pinned = recipe.pinned_versions(pins)[sandbox]  # the SDK release tests/chain's doubles are typed against
     assert entry["with"]["packages"][sandbox]["version"] == pinned.removeprefix("==")
     assert "harbor" not in entry["with"]["packages"]  # the extra adds the SDK, Harbor stays the stack's
 
@@ -130,12 +129,13 @@ def test_a_backends_install_breaks_nothing_but_the_accepted(resolution, sandbox,
 
 
 def test_without_its_opentelemetry_pin_daytona_breaks_the_images_opentelemetry(resolution, tmp_path):
-    """What requirements-daytona.txt's pin is for: daytona's aiohttp instrumentation moves part of the OpenTelemetry
-    family to 1.45.1 under the image's 1.45.2 exporters, and the job's pip-check filter would stop the job."""
+    """What the daytona pins' OpenTelemetry pin is for: daytona's aiohttp instrumentation moves part of the
+    OpenTelemetry family to 1.45.1 under the image's 1.45.2 exporters, and the job's pip-check filter would stop the
+    job."""
     _, lines = backend_install(resolution, "daytona", "without_pins", tmp_path / "env")
     left = image_check.unaccepted(image_check.parse_pip_check("\n".join(lines)))
     assert len(left) == 5 and all(b.package.startswith("opentelemetry-") for b in left), lines
-    assert "opentelemetry-exporter-otlp" in recipe.pinned_versions(ROOT / "requirements-daytona.txt")
+    assert "opentelemetry-exporter-otlp" in recipe.pinned_versions(recipe.SANDBOXES["daytona"]["requirements"])
 
 
 @pytest.mark.parametrize(("line", "expected"), [

@@ -38,6 +38,7 @@ LAYOUT: dict[str, tuple[int, str | None]] = {
     "harbor_sessions": (SHARED, None),
     "model_cards": (SHARED, None),
     "sandbox_lifecycle": (SHARED, None),
+    "trajectories": (SHARED, None),
     "train_resume": (SUPPORT, "train_lora"),
     "train_rollouts": (SUPPORT, "train_lora"),
     "train_metrics": (SUPPORT, "train_lora"),
@@ -139,3 +140,27 @@ def test_the_readme_file_table_names_every_top_level_file_and_folder_once():
     covered = {entry for entry in top if any(fnmatch.fnmatchcase(entry, pattern) for pattern in named)}
     assert sorted(top - covered) == [], "name each in README.md's file table, one line each"
     assert [p for p in named if not any(fnmatch.fnmatchcase(entry, p) for entry in top)] == [], "gone from the repo"
+
+
+def test_every_relative_link_in_the_markdown_files_resolves():
+    """Issue 43 (14): every relative link (and its #anchor, GitHub's slug of a heading) in every tracked Markdown file
+    names a file, folder or heading that exists."""
+    def slug(heading: str) -> str:
+        return re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-")
+
+    def anchors(path: Path) -> set[str]:
+        return {slug(m) for m in re.findall(r"^#+ (.+)$", path.read_text(), re.M)}
+
+    tracked = subprocess.run(["git", "ls-files", "*.md"], cwd=ROOT, capture_output=True, text=True, check=True)
+    broken = []
+    for name in tracked.stdout.split():
+        page = ROOT / name
+        text = re.sub(r"```.*?```", "", page.read_text(), flags=re.S)  # code blocks hold commands, not links
+        for target in re.findall(r"\]\(([^)\s]+)\)", text):
+            if re.match(r"[a-z]+:", target):
+                continue
+            file, _, anchor = target.partition("#")
+            path = (page.parent / file).resolve() if file else page
+            if not path.exists() or (anchor and (path.suffix != ".md" or anchor not in anchors(path))):
+                broken.append(f"{name}: {target}")
+    assert broken == []

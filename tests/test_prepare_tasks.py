@@ -425,3 +425,11 @@ def test_materialized_fixture_gives_other_tests_a_prepared_dataset(tmp_path):
         assert len(dirs) == n
         assert all(tomllib.loads((d / "task.toml").read_text())["environment"]["docker_image"] == recipe.TASK_IMAGE
                    for d in dirs)
+
+
+def test_an_out_folder_that_cannot_be_made_is_one_line(capsys):
+    """Issue 43 (13): `--out /proc/x` printed an 18-line traceback."""
+    rc, err = run_main(["--out", "/proc/x", "--split", "train"], capsys)
+    assert rc == 2
+    assert error_line(err) == ("prepare_tasks.py: error: --out /proc/x cannot be created (No such file or directory): "
+                               "choose a folder you can write")

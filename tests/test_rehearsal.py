@@ -304,6 +304,10 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     pushed = {p.name for p in (repo / "checkpoint-2").iterdir()}
     assert {"adapter_model.safetensors", "adapter_config.json", adapter_repo.COMPLETE_MARKER} <= pushed
     assert not (repo / "adapter_model.safetensors").exists()  # killed before the final push
+    [logs] = (repo / adapter_repo.LOGS_DIR).iterdir()  # the killed start's records, pushed with its checkpoint
+    assert [row["step"] for row in json.loads((logs / recipe.TRAIN_LOG_NAME).read_text())["logs"]][-1] == 2
+    assert json.loads((logs / recipe.LEDGER_NAME).read_text())["rollouts"] >= 2 * recipe.NUM_GENERATIONS
+    assert (logs / recipe.ROLLOUT_LOG_NAME).read_text().count("\n") >= 2 * recipe.NUM_GENERATIONS
     checkpoint_2 = load_file(repo / "checkpoint-2" / "adapter_model.safetensors")
     position = json.loads((repo / "checkpoint-2" / "rollout_state.json").read_text())
     assert_relaunch_redoes_no_trained_group(position, report["trained_groups"]["2"])

@@ -21,6 +21,7 @@ from safetensors.torch import load_file
 import adapter_repo
 import prepare_tasks
 import train_rollouts
+import trajectories
 
 envserver.require()
 
@@ -52,6 +53,22 @@ def check_rollouts(lines: list[dict], workdir: Path) -> None:
             assert line["reward"] in (0.0, 1.0) and not line["trial_kept"], line
 
 
+def check_trajectories(repo: Path) -> None:
+    """Issue 43 (11): checkpoint-1's trajectory sample, pushed with it, is what the real chain recorded: OpenCode's own
+    system prompt, the task, the agent's `write` call and the tool's answer as the capture proxy saw them, and the
+    verdict the task's verifier gave (its reward)."""
+    [logs] = (repo / adapter_repo.LOGS_DIR).iterdir()
+    sample = json.loads((logs / "trajectories" / "checkpoint-1.json").read_text())
+    wrote = [t for t in sample if any(c["name"] == "write" for m in t["messages"] for c in m.get("tool_calls", []))]
+    assert wrote, sample
+    for t in wrote:
+        roles = [m["role"] for m in t["messages"]]
+        assert roles[:2] == ["system", "user"] and "tool" in roles and roles[-1] == "assistant", roles
+        assert "opencode" in t["messages"][0]["text"].lower(), t["messages"][0]
+        assert t["verdict"] == ("correct" if t["reward"] == 1.0 else "wrong") and t["outcome"] == "scored", t
+    assert "checkpoint-1" in (repo / trajectories.PAGE_PATH).read_text()
+
+
 def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_2(tmp_path):
     workdir = tmp_path / "rehearsal"
     repo = workdir / "hub" / ADAPTER_REPO
@@ -70,6 +87,7 @@ def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_
         assert any({0.0, 1.0} <= set(r) for r in first_groups.values()), first_groups  # a group with contrast
         checkpoint_1 = load_file(repo / "checkpoint-1" / "adapter_model.safetensors")
         position = json.loads((repo / "checkpoint-1" / "rollout_state.json").read_text())
+        check_trajectories(repo)
 
         second = run_apart(workdir, "--real-chain", env=steps, timeout=START_TIMEOUT_S)
         assert second.returncode == 0, second.stdout[-3000:]

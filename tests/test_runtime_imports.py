@@ -1,8 +1,8 @@
-"""Every top-level script imports only what the job installs: requirements.txt and its dependencies.
+"""Every top-level script imports only what the job installs: recipe.JOB_REQUIREMENTS and its dependencies.
 
-The jobs install requirements.txt (never requirements-dev.txt) into the vLLM image, so a module that only the
-dev requirements bring imports fine here and crashes on the job. This walks the installed metadata from
-requirements.txt's pins (extras and markers included) and checks every import of every script against it.
+The jobs install recipe.JOB_REQUIREMENTS (never requirements-dev.txt) into the vLLM image, so a module that only the
+dev requirements bring imports fine here and crashes on the job. This walks the installed metadata from those pins
+(extras and markers included) and checks every import of every script against it.
 """
 
 from __future__ import annotations
@@ -15,9 +15,11 @@ from pathlib import Path
 from packaging.requirements import Requirement
 from packaging.utils import canonicalize_name
 
+import recipe
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(ROOT.glob("*.py"))
-# Provided on the job by something other than pip and requirements.txt.
+# Provided on the job by something other than pip and recipe.JOB_REQUIREMENTS.
 OUTSIDE = {
     "vllm": "the vllm/vllm-openai image the jobs run in",
 }
@@ -34,15 +36,15 @@ def imported_modules(path: Path) -> set[str]:
     return names
 
 
-def requirement_lines(path: Path) -> list[Requirement]:
-    lines = (line.split("#", 1)[0].strip() for line in path.read_text().splitlines())
+def requirement_lines(text: str) -> list[Requirement]:
+    lines = (line.split("#", 1)[0].strip() for line in text.splitlines())
     return [Requirement(line) for line in lines if line and not line.startswith("-")]
 
 
-def runtime_closure(path: Path = ROOT / "requirements.txt") -> set[str]:
-    """Canonical names of the distributions requirements.txt brings in, as installed here."""
+def runtime_closure(text: str = recipe.JOB_REQUIREMENTS) -> set[str]:
+    """Canonical names of the distributions the job's pins bring in, as installed here."""
     seen: set[tuple[str, frozenset[str]]] = set()
-    todo = [(canonicalize_name(r.name), frozenset(r.extras)) for r in requirement_lines(path)]
+    todo = [(canonicalize_name(r.name), frozenset(r.extras)) for r in requirement_lines(text)]
     while todo:
         name, extras = todo.pop()
         if (name, extras) in seen:
@@ -65,7 +67,7 @@ def test_every_script_import_comes_from_the_runtime_requirements():
             dists = {canonicalize_name(d) for d in providers.get(module, [])}
             if not dists & closure:
                 missing.setdefault(script.name, []).append(f"{module} ({', '.join(sorted(dists)) or 'not installed'})")
-    assert not missing, f"imported but not brought by requirements.txt: {missing}"
+    assert not missing, f"imported but not brought by recipe.JOB_REQUIREMENTS: {missing}"
 
 
 def test_the_check_sees_dev_only_packages():

@@ -22,9 +22,10 @@ def setup_functions() -> str:
     return text.removesuffix('main "$@"\n')
 
 
-def run_install_chain_tools(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
-    """setup.sh's functions (not its main), then `install_chain_tools`, on a PATH without bubblewrap or apt-get."""
-    script = setup_functions() + "\nif install_chain_tools; then echo tools-ready; fi\necho went-on\n"  # as main()
+def run_install_chain_tools(tmp_path: Path, step: str = "install_chain_tools",
+                            **env: str) -> subprocess.CompletedProcess:
+    """setup.sh's functions (not its main), then `step`, on a PATH without bubblewrap, chromium or apt-get."""
+    script = setup_functions() + f"\nif {step}; then echo tools-ready; fi\necho went-on\n"  # as main()
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     (bin_dir / "id").symlink_to("/usr/bin/id")
@@ -37,6 +38,15 @@ def test_missing_chain_tools_fail_the_set_up_under_ci(tmp_path):
     assert out.returncode == 1 and "went-on" not in out.stdout
     assert out.stderr.count("\n") == 1
     assert "the rollout-chain tests cannot run: install bubblewrap debootstrap" in out.stderr
+
+
+@pytest.mark.parametrize("ci", ["true", ""])
+def test_a_missing_browser_is_named_once_and_fails_the_set_up_only_under_ci(tmp_path, ci):
+    out = run_install_chain_tools(tmp_path, "install_browser", CI=ci)
+    said = "cannot run" if ci else "will be skipped"
+    assert (out.returncode, "went-on" in out.stdout) == ((1, False) if ci else (0, True))
+    assert out.stderr == (f"setup.sh: the trajectory page's browser test {said}: install chromium (Debian: sudo "
+                          "apt-get install chromium)\n")
 
 
 def test_missing_chain_tools_are_named_once_and_skipped_outside_ci(tmp_path):

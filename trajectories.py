@@ -1,0 +1,150 @@
+"""What the agent did, kept with each checkpoint: a few trajectories, and one page of them beside the learning curve.
+
+The rollout child keeps the last recipe.TRAJECTORY_SAMPLE finished rollouts in the work folder
+(recipe.TRAJECTORIES_NAME, train_rollouts.Ledger), each as `trajectory()` takes it from what the rollout already has,
+OpenEnv's HarborRolloutResult: its agent conversation as the capture proxy recorded it (system prompt, every model
+turn, tool call and tool result), truncated for reading; the verifier's reward and verdict from Harbor's result; the
+tool calls TRL counted; the rollout guard's outcome class. Each checkpoint push (train_callbacks.CheckpointPusher)
+commits that sample as logs/<job>/trajectories/checkpoint-N.json and rebuilds trajectories.html at the repo root, and
+so does each summary the eval watcher publishes: the learning curve (every job's training reward per step, the
+watcher's pass@1 per checkpoint) above each checkpoint's trajectories.
+
+A static page rather than a Trackio table: it sits in the adapter repo with the results (no dashboard Space needed,
+so REPORT_TO=none and DASHBOARD_SPACE=local have it too), opens in any browser after `hf download REPO
+trajectories.html`, and outlives the job.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+import time
+from typing import Any
+
+import adapter_repo
+import recipe
+
+PAGE_PATH = "trajectories.html"
+# Characters of a message kept (its head and tail): OpenCode's system prompt runs to ~10k characters, a tool's output
+# (a data frame, a traceback) can run to hundreds of thousands; the sample stays ~100 KB a rollout at most.
+SYSTEM_CHARS, TEXT_CHARS, ARGUMENT_CHARS = 600, 1500, 800
+MESSAGES_KEPT = 70  # the first 6 and the last 64 of a longer conversation (32 agent calls are ~66 messages)
+_SAMPLE = re.compile(rf"^{adapter_repo.LOGS_DIR}/([^/]+)/trajectories/({recipe.CHECKPOINT_PATTERN})\.json$")
+_TRAIN_LOG = re.compile(rf"^{adapter_repo.LOGS_DIR}/([^/]+)/{re.escape(recipe.TRAIN_LOG_NAME)}$")
+
+
+def clip(text: Any, limit: int) -> str:
+    """`text` within `limit` characters: its head and tail, and how much was cut between them."""
+    text = text if isinstance(text, str) else json.dumps(text)
+    if len(text) <= limit:
+        return text
+    head = limit * 2 // 3
+    return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
+
+
+def _text(content: Any) -> str:
+    """A message's text: a string, or the text parts of a list (OpenAI's content parts)."""
+    if isinstance(content, list):
+        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("text"))
+    return "" if content is None else str(content)
+
+
+def _message(message: dict[str, Any]) -> dict[str, Any]:
+    role = str(message.get("role", ""))
+    limit = SYSTEM_CHARS if role == "system" else TEXT_CHARS
+    shown: dict[str, Any] = {"role": role, "text": clip(_text(message.get("content")), limit)}
+    calls = [c.get("function") or c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
+    if calls:
+        shown["tool_calls"] = [{"name": str(c.get("name", "")), "arguments": clip(c.get("arguments", ""),
+                                                                                     ARGUMENT_CHARS)} for c in calls]
+    return shown
+
+
+def trajectory(result: Any, *, task: str | None, reward: float | None, tool_calls: int) -> dict[str, Any]:
+    """One finished rollout for reading, from OpenEnv's HarborRolloutResult (read by attribute): its agent
+    conversation(s) as captured (auxiliary calls such as OpenCode's title call left out), and Harbor's verdict."""
+    messages = [m for c in getattr(result, "conversations", None) or [] if c.role == "agent" for m in c.messages]
+    if len(messages) > MESSAGES_KEPT:
+        cut = len(messages) - MESSAGES_KEPT
+        messages = [*messages[:6], {"role": "note", "content": f"[... {cut} messages cut ...]"},
+                    *messages[len(messages) - (MESSAGES_KEPT - 6):]]
+    graded = recipe.graded_reward(result)
+    return {"task": task, "reward": reward if reward is not None else graded, "tool_calls": tool_calls,
+            "verdict": "no grade" if graded is None else "correct" if graded > 0 else "wrong",
+            "error": clip(getattr(result, "error", None) or "", 300), "at": time.time(),
+            "messages": [_message(m) for m in messages]}
+
+
+# --- the page --------------------------------------------------------------------------------------------------------
+def repo_docs(api: Any, repo_id: str, revision: str | None = None) -> dict[str, Any]:
+    """What the page shows, read from the repo: {"train_logs": {job: doc}, "samples": {checkpoint: [trajectory]},
+    "summary": the watcher's summary or None}."""
+    docs: dict[str, Any] = {"train_logs": {}, "samples": {}, "summary": None}
+    for path in api.list_repo_files(repo_id, revision=revision):
+        if match := _TRAIN_LOG.match(path):
+            docs["train_logs"][match.group(1)] = adapter_repo.read_json(api, repo_id, path, revision)
+        elif match := _SAMPLE.match(path):
+            docs["samples"][match.group(2)] = adapter_repo.read_json(api, repo_id, path, revision)
+        elif path == adapter_repo.SUMMARY_PATH:
+            docs["summary"] = adapter_repo.read_json(api, repo_id, path, revision)
+    return docs
+
+
+def _curve(train_logs: dict[str, Any], summary: dict[str, Any] | None) -> str:
+    """An SVG of the training reward per step (a line) and the watcher's pass@1 per checkpoint (dots)."""
+    rewards = sorted({row["step"]: row["reward"] for doc in train_logs.values() for row in (doc or {}).get("logs", [])
+                      if isinstance(row.get("reward"), int | float)}.items())
+    evals = [(r["step"], r["pass_at_1"]) for r in (summary or {}).get("checkpoints", [])
+             if r.get("complete") and r.get("pass_at_1") is not None]
+    width, height, pad = 760, 260, 40
+    last = max([1, *(s for s, _ in rewards), *(s for s, _ in evals)])
+    top = max([1.0, *(v for _, v in rewards)])
+
+    def xy(step: float, value: float) -> str:
+        return f"{pad + step / last * (width - 2 * pad):.1f},{height - pad - value / top * (height - 2 * pad):.1f}"
+
+    parts = [f'<svg id="curve" width="{width}" height="{height}" role="img" aria-label="learning curve">',
+             f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" class="frame"/>',
+             f'<text x="{pad}" y="{pad - 8}">reward / pass@1 (0-{top:g}) against step (0-{last})</text>']
+    if rewards:
+        parts.append(f'<polyline class="reward" points="{" ".join(xy(s, v) for s, v in rewards)}"/>')
+    parts += [f'<circle class="pass" r="5" cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}">'
+              f"<title>step {s}: pass@1 {v:.2f}</title></circle>" for s, v in evals]
+    return "".join(parts) + "</svg>"
+
+
+def _trajectory_html(t: dict[str, Any]) -> str:
+    e = html.escape
+    reward = "-" if t.get("reward") is None else f"{t['reward']:g}"
+    head = (f"{e(str(t.get('task')))}: {e(t['verdict'])}, reward {reward}, {t.get('tool_calls', 0)} tool calls, "
+            f"{e(str(t.get('outcome')))}")
+    body = [f'<p class="error">{e(t["error"])}</p>'] if t.get("error") else []
+    for m in t.get("messages", []):
+        calls = "".join(f'<pre class="call">{e(c["name"])}({e(c["arguments"])})</pre>' for c in m.get("tool_calls", []))
+        body.append(f'<div class="msg {e(m["role"])}"><b>{e(m["role"])}</b><pre>{e(m["text"])}</pre>{calls}</div>')
+    return f'<details class="trajectory"><summary>{head}</summary>{"".join(body)}</details>'
+
+
+def page(repo_id: str, docs: dict[str, Any]) -> str:
+    """The page: the curve, then per checkpoint (newest first) its pass@1 and its trajectories, folded."""
+    e = html.escape
+    rows = {r["checkpoint"]: r for r in (docs.get("summary") or {}).get("checkpoints", [])}
+    sections = []
+    for name, sample in sorted(docs["samples"].items(), key=lambda kv: int(kv[0].rsplit("-", 1)[-1]), reverse=True):
+        row = rows.get(name) or {}
+        said = (f"pass@1 {row['pass_at_1']:.2f} on {row.get('scored', '?')} scored tasks" if row.get("complete")
+                and row.get("pass_at_1") is not None else "not evaluated by the watcher yet")
+        sections.append(f'<section id="{e(name)}"><h2>{e(name)}: {said}</h2>'
+                        + "".join(_trajectory_html(t) for t in sample or []) + "</section>")
+    style = ("body{font-family:sans-serif;max-width:60em;margin:auto}pre{white-space:pre-wrap;margin:.2em 0}"
+             ".frame{fill:none;stroke:#999}.reward{fill:none;stroke:#36c;stroke-width:1.5}.pass{fill:#c33}"
+             ".msg{border-left:3px solid #ccc;padding-left:.5em;margin:.4em 0}.assistant{border-color:#36c}"
+             ".tool{border-color:#393}.call{color:#36c}.error{color:#c33}summary{cursor:pointer;margin:.3em 0}")
+    return (f'<!doctype html><html><head><meta charset="utf-8"><title>{e(repo_id)}: what the agent did</title>'
+            f"<style>{style}</style></head><body><h1>{e(repo_id)}: what the agent did</h1>"
+            "<p>Blue line: the training reward per step (train_log.json of every job). Red dots: the eval watcher's "
+            "pass@1 per checkpoint (eval/summary.json). Below, per checkpoint, the last rollouts finished before it "
+            f"was pushed (logs/&lt;job&gt;/trajectories/): open one to read its conversation.</p>"
+            f"{_curve(docs['train_logs'], docs.get('summary'))}{''.join(sections)}</body></html>")
+
