@@ -105,22 +105,17 @@ class LiveSessions:
         return key in self.ids or (await self.read(time.monotonic()) and key in self.ids)
 
 
-class BodyTooLarge(Exception):
-    """A request body past recipe.CAPTURE_MAX_BODY_BYTES."""
-
-
-async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYTES) -> bytes:
-    """The request body, refused as soon as it is known to pass `limit` (by its Content-Length, or while reading)."""
+async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYTES) -> bytes | None:
+    """The request body, or None as soon as it is known to pass `limit` (by its Content-Length, or while reading)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
-    chunks, size = [], 0
+        return None
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
 def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GATEWAY_BODY_TIMEOUT_S) -> Starlette:
@@ -152,10 +147,10 @@ def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GAT
         try:
             async with asyncio.timeout(body_timeout_s):
                 body = await capped_body(request)
-        except BodyTooLarge:
-            return _refused(413, f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes (CAPTURE_MAX_BODY_BYTES)")
         except TimeoutError:
             return _refused(408, f"request body not received within {body_timeout_s:g} s")
+        if body is None:
+            return _refused(413, f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes (CAPTURE_MAX_BODY_BYTES)")
         query = request.scope.get("query_string", b"").decode("latin-1")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
         upstream_request = client.build_request(
