@@ -94,7 +94,9 @@ class LiveSessions:
                 await asyncio.sleep(self.began + recipe.GATEWAY_SESSION_READ_S - time.monotonic())
                 self.began = time.monotonic()
                 try:
-                    reply = await self.client.get(f"{PREFIX}/sessions", headers=self.headers, timeout=30)
+                    # As long as the trainer gives the env server (its event loop stalls while Harbor sets a trial up).
+                    reply = await self.client.get(f"{PREFIX}/sessions", headers=self.headers,
+                                                  timeout=recipe.TASK_API_TIMEOUT_S)
                     self.ids = frozenset(s["session_id"] for s in reply.raise_for_status().json()["sessions"])
                     self.ok = True
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
@@ -212,7 +214,8 @@ class Connection(H11Protocol):
             self.cycle.scope.setdefault("extensions", {})[_OWN] = lambda: self.idle.pop(self, None)
 
     def on_response_complete(self) -> None:
-        self._await_head()
+        if not self.transport.is_closing():  # kept alive: it waits for its next head
+            self._await_head()
         super().on_response_complete()
 
     def connection_lost(self, exc: Exception | None) -> None:
