@@ -1,19 +1,13 @@
 """The job's one public port: forwards `/capture/...` to the env server on loopback, refuses the rest.
 
-HF Jobs exposes recipe.PUBLIC_PORT at `https://<job-id>--<PUBLIC_PORT>.hf.jobs`. The sandboxes must reach the capture
-proxy there, but nothing else in the job may be reachable: the env server's task API starts rollouts
-on our token, and vLLM's dev endpoints (`/update_weights`, ...) have no authentication at all. So the
-env server and vLLM bind 127.0.0.1, the capture app is mounted on the env server at `/capture`
-(openenv does that when SPACE_HOST is set), and this process is the only listener on 0.0.0.0. It
-forwards the agent's data plane (`/capture/<model API path>`) and answers 404 to everything else,
-including the capture proxy's session-management routes (`/capture/sessions...`: the trainer's
-control plane, used on loopback only). Paths that could be normalised into another route (`..`,
-`//`, percent-escapes) are refused before anything is forwarded. Streaming replies pass through.
-
-The port is public, so nothing is read from a request that carries no session key: the capture proxy's model routes
-answer only a registered session (its key is the agent's API key), and a request with none is refused here (401)
-before its body is read, except the two bodiless reads the capture app answers to anyone (`GET /capture/health`, the
-readiness check, and `GET /capture/v1/models`). A body is read up to recipe.CAPTURE_MAX_BODY_BYTES (413 past it).
+HF Jobs exposes recipe.PUBLIC_PORT at `https://<job-id>--<PUBLIC_PORT>.hf.jobs`; the sandboxes reach the capture proxy
+there. The env server (its task API starts rollouts on our token) and vLLM (unauthenticated dev endpoints) bind
+127.0.0.1; the capture app is mounted on the env server at `/capture` (openenv does that when SPACE_HOST is set), and
+this process is the only listener on 0.0.0.0. It forwards the agent's data plane (`/capture/<model API path>`) under a
+live session's key only, refusing any other before its body is read, and answers 404 to the rest, the capture proxy's
+session routes (`/capture/sessions...`: the trainer's control plane) and paths that could be normalised into another
+route (`..`, `//`, escapes) included. Streaming replies pass through. Its limits for a public port are recipe.py's
+GATEWAY_* and CAPTURE_MAX_BODY_BYTES; docs/jobs.md ("Ports") says what each stops.
 
     python3 capture_gateway.py    # 0.0.0.0:<PUBLIC_PORT> -> http://127.0.0.1:<ENV_PORT>; serve_env.sh starts it
 """
@@ -21,10 +15,16 @@ readiness check, and `GET /capture/v1/models`). A body is read up to recipe.CAPT
 from __future__ import annotations
 
 import argparse
+import asyncio
 import contextlib
+import math
 import os
 import re
+import resource
+import sys
+import time
 from collections.abc import AsyncIterator, Mapping
+from typing import Any, ClassVar
 
 import httpx
 import uvicorn
@@ -33,6 +33,7 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 import recipe
 
@@ -40,13 +41,12 @@ PREFIX = "/capture"
 # One segment of a forwardable path: no dots-only segments, no escapes, no empty segments.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-.:~@]+$")
 _CONTROL_PLANE = {"sessions"}
-# Routes the capture app answers without a session (openenv's capture server: /health and /v1/models), GET only.
-_KEYLESS = {"health", "v1/models"}
 # Connection-level headers that must not be relayed (RFC 9110 7.6.1), plus ones httpx/uvicorn recompute.
 _HOP_BY_HOP = {
     "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
     "transfer-encoding", "upgrade", "host", "content-length",
 }
+_OWN = "gateway.own"  # the ASGI scope extension through which a request marks its connection as a live session's
 
 
 def forwardable(raw_path: str) -> bool:
@@ -59,8 +59,9 @@ def forwardable(raw_path: str) -> bool:
     return segments[0] not in _CONTROL_PLANE
 
 
-def _refused() -> JSONResponse:
-    return JSONResponse({"error": f"not found: only {PREFIX}/ is served on this port"}, status_code=404)
+def _refused(status: int, error: str) -> JSONResponse:
+    """A refusal that also closes the connection: a body the client may still be sending is never read."""
+    return JSONResponse({"error": error}, status_code=status, headers={"connection": "close"})
 
 
 def session_key(headers: Mapping[str, str]) -> str | None:
@@ -73,45 +74,85 @@ def session_key(headers: Mapping[str, str]) -> str | None:
     return (headers.get("x-api-key", "").strip() or headers.get("x-goog-api-key", "").strip()) or None
 
 
-class BodyTooLarge(Exception):
-    """A request body past recipe.CAPTURE_MAX_BODY_BYTES."""
+class LiveSessions:
+    """The capture proxy's live session ids, read from its admin route `GET /capture/sessions` (the env server's
+    registry: a session exists from just before its sandbox starts until its rollout ends). A key not in the last
+    read waits for a read that began after it arrived; reads are at most one per recipe.GATEWAY_SESSION_READ_S, so a
+    flood of made-up keys costs the env server one small read per interval, and a new session's first call at most
+    that long."""
+
+    def __init__(self, client: httpx.AsyncClient, admin_key: str) -> None:
+        self.client, self.headers = client, {"authorization": f"Bearer {admin_key}"}
+        self.ids: frozenset[str] = frozenset()
+        self.began, self.ok = -math.inf, False
+        self.lock = asyncio.Lock()
+
+    async def read(self, since: float) -> bool:
+        """Make sure a read began at or after `since` (time.monotonic); whether the capture proxy answered it."""
+        async with self.lock:
+            if self.began < since:
+                await asyncio.sleep(self.began + recipe.GATEWAY_SESSION_READ_S - time.monotonic())
+                self.began = time.monotonic()
+                try:
+                    # As long as the trainer gives the env server (its event loop stalls while Harbor sets a trial up).
+                    reply = await self.client.get(f"{PREFIX}/sessions", headers=self.headers,
+                                                  timeout=recipe.TASK_API_TIMEOUT_S)
+                    self.ids = frozenset(s["session_id"] for s in reply.raise_for_status().json()["sessions"])
+                    self.ok = True
+                except (httpx.HTTPError, ValueError, KeyError, TypeError):
+                    self.ok = False
+        return self.ok
+
+    async def live(self, key: str) -> bool:
+        return key in self.ids or (await self.read(time.monotonic()) and key in self.ids)
 
 
-async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYTES) -> bytes:
-    """The request body, refused as soon as it is known to pass `limit` (by its Content-Length, or while reading)."""
+async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYTES) -> bytes | None:
+    """The request body, or None as soon as it is known to pass `limit` (by its Content-Length, or while reading)."""
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
-        raise BodyTooLarge
-    chunks, size = [], 0
+        return None
+    body = bytearray()
     async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise BodyTooLarge
-        chunks.append(chunk)
-    return b"".join(chunks)
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
 
 
-def create_app(upstream: str) -> Starlette:
+def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GATEWAY_BODY_TIMEOUT_S) -> Starlette:
     """The gateway as an ASGI app forwarding allowed paths to `upstream` (the env server's root URL)."""
     # No read timeout (a MAX_TOKENS completion streams for minutes; the agent timeout bounds it) and no
     # pool cap (concurrency is bounded by the env server's session limit, not here).
     client = httpx.AsyncClient(
         base_url=upstream.rstrip("/"), timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=None)
     )
+    sessions = LiveSessions(client, admin_key)
 
     async def forward(request: Request) -> Response:
         raw_path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1").split("?", 1)[0]
         if not forwardable(raw_path):
-            return _refused()
-        keyless = request.method in ("GET", "HEAD") and raw_path[len(PREFIX) + 1:] in _KEYLESS
-        if not keyless and session_key(request.headers) is None:
-            return JSONResponse({"error": "no capture session key: send the session as x-api-key (or Authorization: "
-                                          "Bearer)"}, status_code=401)
+            return _refused(404, f"not found: only {PREFIX}/ is served on this port")
+        # h11 stops a head past the cap while it arrives; one that arrived whole in a single read is stopped here.
+        head = request.scope.get("raw_path", b"") + request.scope.get("query_string", b"")
+        if len(head) + sum(len(k) + len(v) + 4 for k, v in request.scope["headers"]) > recipe.GATEWAY_MAX_HEAD_BYTES:
+            return _refused(431, f"request head over {recipe.GATEWAY_MAX_HEAD_BYTES} bytes")
+        if request.method in ("GET", "HEAD") and raw_path == f"{PREFIX}/health":
+            up = await sessions.read(time.monotonic() - recipe.GATEWAY_SESSION_READ_S)
+            return JSONResponse({"status": "ok" if up else "capture proxy unavailable"}, status_code=200 if up else 503)
+        key = session_key(request.headers)
+        if key is None:
+            return _refused(401, "no capture session key: send the session as x-api-key (or Authorization: Bearer)")
+        if not await sessions.live(key):
+            return _refused(401, "unknown capture session key")
+        request.scope.get("extensions", {}).get(_OWN, lambda: None)()
         try:
-            body = await capped_body(request)
-        except BodyTooLarge:
-            return JSONResponse({"error": f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes "
-                                          "(recipe.CAPTURE_MAX_BODY_BYTES)"}, status_code=413)
+            async with asyncio.timeout(body_timeout_s):
+                body = await capped_body(request)
+        except TimeoutError:
+            return _refused(408, f"request body not received within {body_timeout_s:g} s")
+        if body is None:
+            return _refused(413, f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes (CAPTURE_MAX_BODY_BYTES)")
         query = request.scope.get("query_string", b"").decode("latin-1")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
         upstream_request = client.build_request(
@@ -134,6 +175,54 @@ def create_app(upstream: str) -> Starlette:
     return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
 
 
+class Connection(H11Protocol):
+    """uvicorn's h11 protocol (h11 caps the head: httptools does not) plus two limits uvicorn lacks. A deadline on
+    every head: uvicorn times nothing before a first request and stops its keep-alive timer at a next one's first byte.
+    A cap on idle connections (waiting for a head, refused, or kept alive), the longest-idle closed past it: uvicorn's
+    limit_concurrency instead answers 503 to every request past its count, the job's own sessions' included."""
+
+    idle: ClassVar[dict[Connection, None]] = {}  # oldest first
+    limit: ClassVar[int] = recipe.GATEWAY_IDLE_CONNECTIONS
+    head_timeout_s: ClassVar[float] = recipe.GATEWAY_HEAD_TIMEOUT_S
+
+    def connection_made(self, transport: Any) -> None:  # noqa: ANN401 - asyncio's own signature
+        super().connection_made(transport)
+        self._deadline: asyncio.TimerHandle | None = None
+        self._await_head()
+        while len(self.idle) > self.limit:
+            oldest = next(iter(self.idle))
+            oldest._release()
+            oldest.transport.close()
+
+    def _await_head(self) -> None:
+        self._release()
+        self.idle[self] = None
+        self._deadline = self.loop.call_later(self.head_timeout_s, self.transport.close)
+
+    def _release(self) -> None:
+        self.idle.pop(self, None)
+        if self._deadline is not None:
+            self._deadline.cancel()
+            self._deadline = None
+
+    def handle_events(self) -> None:
+        cycle = self.cycle
+        super().handle_events()
+        if self.cycle is not cycle:  # a head arrived: its deadline is met; the request may claim the connection
+            if self._deadline is not None:
+                self._deadline.cancel()
+            self.cycle.scope.setdefault("extensions", {})[_OWN] = lambda: self.idle.pop(self, None)
+
+    def on_response_complete(self) -> None:
+        if not self.transport.is_closing():  # kept alive: it waits for its next head
+            self._await_head()
+        super().on_response_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._release()
+        super().connection_lost(exc)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--listen-host", default=os.environ.get("GATEWAY_HOST", "0.0.0.0"))
@@ -144,7 +233,24 @@ def main() -> None:
         help="the env server (capture mounted at /capture), on loopback",
     )
     args = parser.parse_args()
-    uvicorn.run(create_app(args.upstream), host=args.listen_host, port=args.listen_port, log_level="warning")
+    admin_key = os.environ.get("OPENENV_CAPTURE_ADMIN_KEY", "")
+    try:
+        if not admin_key:
+            raise recipe.ConfigError("OPENENV_CAPTURE_ADMIN_KEY is not set: the gateway reads the live sessions with "
+                                     "the env server's admin key (serve_env.sh sets one for both)")
+        Connection.head_timeout_s = recipe.knob("GATEWAY_HEAD_TIMEOUT")
+        body_timeout_s = recipe.knob("GATEWAY_BODY_TIMEOUT")
+        # Room for the job's own connections and their upstream ones: idle connections get a quarter of the files.
+        files, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+            files = hard
+        Connection.limit = min(recipe.knob("GATEWAY_IDLE_CONNECTIONS"), files // 4)
+    except recipe.ConfigError as exc:
+        sys.exit(f"capture_gateway.py: {exc}")
+    uvicorn.run(create_app(args.upstream, admin_key, body_timeout_s), host=args.listen_host, port=args.listen_port,
+                http=Connection, h11_max_incomplete_event_size=recipe.GATEWAY_MAX_HEAD_BYTES, ws="none",
+                log_level="error")  # not a warning per malformed request: a public port gets them by the thousand
 
 
 if __name__ == "__main__":

@@ -164,7 +164,7 @@ class HarborRolloutSession(ResourceSession):
         if trial_dir is None:
             return
         self.timing = sandbox_lifecycle.trial_timing(trial_dir)
-        sandbox_lifecycle.finish_trial(trial_dir, failed=failed)
+        sandbox_lifecycle.finish_trial(trial_dir, failed=failed, session_key=str(self.result.session_id or ""))
 
 
 class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):

@@ -270,6 +270,22 @@ ENV_MAX_SESSIONS = 64
 # character were \u-escaped (6 bytes), plus OpenCode's system prompt and tool schemas (tens of KB): 8 MiB is 10x the
 # largest request the model can take, and bounds what an unauthenticated caller can make the job hold in memory.
 CAPTURE_MAX_BODY_BYTES = 8 * 1024 * 1024
+# The rest of the gateway's limits for a public port (capture_gateway.py; what each stops: docs/jobs.md). A request
+# head (request line and headers) up to 16 KiB: OpenCode 1.18.33's are ~460 bytes. A head must arrive within
+# GATEWAY_HEAD_TIMEOUT_S of the connection or of the previous response, a body within GATEWAY_BODY_TIMEOUT_S of it.
+GATEWAY_MAX_HEAD_BYTES = 16 * 1024
+GATEWAY_HEAD_TIMEOUT_S = 15
+GATEWAY_BODY_TIMEOUT_S = 60
+# Connections not serving a live session (waiting for a head, idle between requests, refused): past this many the
+# longest-waiting is closed. The job's own requests are never counted, so a flood cannot lock out its sessions.
+GATEWAY_IDLE_CONNECTIONS = 256
+# The live session keys are read from the capture proxy's session list at most this often (a made-up key waits for
+# the next read): a flood of made-up keys costs the env server one read per interval, not one per key.
+GATEWAY_SESSION_READ_S = 0.5
+# A gateway that exits is restarted by serve_env.sh (the env server and the trainer go on), at most this many times
+# in a row; a gateway that served GATEWAY_STABLE_S resets the count.
+GATEWAY_RESTARTS = 5
+GATEWAY_STABLE_S = 600
 # Keepalive pong timeout of a rollout's MCP socket to the env server (openenv's client default is 20 s): the server's
 # event loop stalls while Harbor sets a trial up, and a 20 s timeout dropped a whole rollout as
 # "ConnectionClosedError: keepalive ping timeout" on a loaded 2-core machine. A rollout call still ends at
@@ -717,6 +733,10 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "POLICY_PORT": (VLLM_PORT, _port),
     "ENV_PORT": (ENV_PORT, _port),
     "PUBLIC_PORT": (PUBLIC_PORT, _port),
+    "GATEWAY_HEAD_TIMEOUT": (GATEWAY_HEAD_TIMEOUT_S, positive_number),
+    "GATEWAY_BODY_TIMEOUT": (GATEWAY_BODY_TIMEOUT_S, positive_number),
+    "GATEWAY_IDLE_CONNECTIONS": (GATEWAY_IDLE_CONNECTIONS, whole_number),
+    "GATEWAY_RESTARTS": (GATEWAY_RESTARTS, whole_number),
     "SPACE_HOST": ("", host_name),  # unset: run_job.sh / run_eval.sh derive it from JOB_ID
     "DASHBOARD_SPACE": (DASHBOARD_SPACE, space_name),
     "REPORT_TO": (REPORT_TO, functools.partial(_offered, choices=REPORTERS,

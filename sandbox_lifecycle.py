@@ -274,13 +274,28 @@ def _finished_newest_first(trials: Path) -> list[Path]:
     return [folder for _mtime, folder in sorted(dated, reverse=True)]
 
 
+REDACTED = "<capture session key redacted>"
+
+
+def _redact(folder: Path, secret: str) -> None:
+    """Replace `secret` in every file under `folder` (Harbor writes the rollout's capture session key, OpenCode's API
+    key, into config.json, result.json and lock.json): it is dead once the rollout ends, but a kept folder is shared."""
+    for path in folder.rglob("*") if secret else ():
+        try:
+            if path.is_file() and not path.is_symlink() and secret.encode() in (data := path.read_bytes()):
+                path.write_bytes(data.replace(secret.encode(), REDACTED.encode()))
+        except OSError:
+            continue
+
+
 # Rollouts finish on several threads of TRL's rollout child; one prune at a time.
 _PRUNE_LOCK = threading.Lock()
 
 
-def finish_trial(trial_dir: Path, *, failed: bool) -> None:
+def finish_trial(trial_dir: Path, *, failed: bool, session_key: str = "") -> None:
     """Call once a rollout's trace and timing are taken: a scored rollout's trial folder is removed; a failed one's
-    is kept, and the finished trials next to it are pruned to recipe.FAILED_TRIALS_KEEP_MB, newest kept first.
+    is kept, its `session_key` redacted, and the finished trials next to it are pruned to
+    recipe.FAILED_TRIALS_KEEP_MB, newest kept first.
 
     Finished means Harbor wrote the trial's result file, so a trial still running is never touched; the prune also
     takes the folders of rollouts whose call was lost (their client never learnt the trial's name). A folder that is
@@ -295,6 +310,7 @@ def finish_trial(trial_dir: Path, *, failed: bool) -> None:
     if not failed:
         shutil.rmtree(trial_dir, ignore_errors=True)
         return
+    _redact(trial_dir, session_key)
     budget, kept = recipe.FAILED_TRIALS_KEEP_MB * 2**20, 0
     with _PRUNE_LOCK:
         for folder in _finished_newest_first(trial_dir.parent):

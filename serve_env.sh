@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The OpenEnv Harbor env server (task API + capture proxy) and the capture gateway on the public port.
-# Runs in the foreground until either process exits (then stops the other and exits non-zero);
-# callers background it, e.g. `start_bg env_server bash serve_env.sh`.
+# Runs in the foreground until the env server exits, or the gateway exits more often in a row than it may be restarted
+# (then stops the other and exits non-zero); callers background it, e.g. `start_bg env_server bash serve_env.sh`.
 #
 #   DATASETS=/tmp/lfm-job/tasks/train SPACE_HOST=<job-id>--<PUBLIC_PORT>.hf.jobs bash serve_env.sh
 #   DRY_RUN=1 ... bash serve_env.sh         # print both commands and their environment only
@@ -22,7 +22,10 @@
 #   PUBLIC_HOST=0.0.0.0  PUBLIC_PORT=<PUBLIC_PORT>   capture gateway.
 #   MAX_CONCURRENT_ENVS=<ENV_MAX_SESSIONS>      env server sessions at once (OpenEnv's default of 4 fails rollouts).
 #   OPENCODE_VERSION=<OPENCODE_VERSION>         OpenCode release installed in the sandboxes.
-#   OPENENV_CAPTURE_ADMIN_KEY  optional: key for the capture session routes (random when unset).
+#   OPENENV_CAPTURE_ADMIN_KEY  optional: key for the capture session routes (random when unset); the gateway reads
+#                            the live sessions with it.
+#   GATEWAY_HEAD_TIMEOUT  GATEWAY_BODY_TIMEOUT  GATEWAY_IDLE_CONNECTIONS   the gateway's limits (recipe.py GATEWAY_*).
+#   GATEWAY_RESTARTS=<GATEWAY_RESTARTS>   a gateway that exits is restarted, this many times in a row at most.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -59,7 +62,7 @@ check_inputs() {
   fi
   [ -n "${SPACE_HOST:-}" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
   env_knobs SPACE_HOST
-  env_knobs ALLOW_NON_LOOPBACK
+  env_knobs ALLOW_NON_LOOPBACK GATEWAY_HEAD_TIMEOUT GATEWAY_BODY_TIMEOUT GATEWAY_IDLE_CONNECTIONS GATEWAY_RESTARTS
   if [ "$ENV_HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
     die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"
   fi
@@ -86,16 +89,22 @@ main() {
     return 0
   fi
   log "serve_env: env server at http://$ENV_HOST:$ENV_PORT, capture public at https://$SPACE_HOST/capture via :$PUBLIC_PORT"
+  OPENENV_CAPTURE_ADMIN_KEY="${OPENENV_CAPTURE_ADMIN_KEY:-$(head -c 24 /dev/urandom | od -An -tx1 | tr -d ' \n')}"
+  export OPENENV_CAPTURE_ADMIN_KEY
   env "${env_vars[@]}" "${server[@]}" &
-  local server_pid=$!
-  "${gateway[@]}" &
-  local gateway_pid=$!
+  local server_pid=$! gateway_pid="" rc started restarts=0
   trap 'kill -TERM "$server_pid" "$gateway_pid" 2>/dev/null || true' EXIT
   trap 'exit 143' TERM INT
-  local rc=0
-  wait -n "$server_pid" "$gateway_pid" || rc=$?
-  if kill -0 "$server_pid" 2>/dev/null; then die "capture gateway exited (status $rc)"; fi
-  die "env server exited (status $rc)"
+  while true; do
+    "${gateway[@]}" &
+    gateway_pid=$! started=$SECONDS rc=0
+    wait -n "$server_pid" "$gateway_pid" || rc=$?
+    kill -0 "$server_pid" 2>/dev/null || die "env server exited (status $rc)"
+    (( SECONDS - started < $(recipe GATEWAY_STABLE_S) )) || restarts=0
+    (( ++restarts <= GATEWAY_RESTARTS )) || die "capture gateway exited (status $rc) after $GATEWAY_RESTARTS restarts in a row (GATEWAY_RESTARTS)"
+    log "serve_env: capture gateway exited (status $rc); restarting it ($restarts of $GATEWAY_RESTARTS in a row)"
+    sleep 1
+  done
 }
 
 main "$@"

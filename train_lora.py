@@ -579,7 +579,27 @@ def run(dry_run: bool) -> None:
         stopped = systematic_stop(settings, started)
         if stopped:  # TRL re-raises the guard's stop wrapped: its one-line verdict is the reason
             raise adapter_repo.Failure(stopped) from error
+        full = disk_full(settings.output_dir)
+        if full:
+            raise adapter_repo.Failure(f"{full} ({adapter_repo.describe(error)})") from error
         raise
+
+
+# A checkpoint (adapter + optimizer state) is ~0.5 GB: with less than twice that free, the disk is full for this run.
+DISK_FULL_BELOW_BYTES = 2**30
+
+
+def disk_full(folder: str) -> str | None:
+    """Why the trainer failed, if the disk holding `folder` is full: measured, since torch.save's own error on a full
+    disk never says so (`[enforce fail at inline_container.cc:672] . unexpected pos`, no ENOSPC in its chain)."""
+    path = Path(folder).absolute()
+    while not path.exists():
+        path = path.parent
+    usage = shutil.disk_usage(path)
+    if usage.free >= DISK_FULL_BELOW_BYTES:
+        return None
+    return (f"the disk holding {folder} is full ({usage.free / 2**20:.1f} MB free of {usage.total / 2**20:.0f} MB): "
+            "free space there or set OUTPUT_DIR to a larger disk, then relaunch to resume from the last checkpoint")
 
 
 def systematic_stop(settings: Settings, since: float) -> str | None:

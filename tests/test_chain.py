@@ -349,7 +349,9 @@ def test_a_fault_in_the_real_chain_is_one_unscorable_rollout_of_its_class(faulte
     assert says in session.error
     assert ledger["unscorable"][failure] >= 1
     if fault == "verifier":  # a failed rollout's trial folder is kept for diagnosis (sandbox_lifecycle.finish_trial)
-        assert (session.inner.trial_dir / "result.json").is_file()
+        kept, key = session.inner.trial_dir, session.inner.result.session_id.encode()
+        assert (kept / "result.json").is_file()
+        assert [path for path in kept.rglob("*") if path.is_file() and key in path.read_bytes()] == []  # redacted
 
 
 def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):

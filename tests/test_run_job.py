@@ -4,13 +4,15 @@ crashing children, SIGTERM, and no process left behind."""
 
 from __future__ import annotations
 
+import os
 import shlex
 import signal
 import subprocess
 import time
+from pathlib import Path
 
 import pytest
-from run_job_harness import assert_no_leftovers, index_of, make_job, run_job, stub_log
+from run_job_harness import assert_no_leftovers, index_of, leftovers, make_job, run_job, stub_log
 
 import recipe
 
@@ -115,6 +117,40 @@ def test_watchdog_spares_a_first_step_longer_than_its_limit_while_rollouts_finis
 
 
 
+def start_until_training(job: dict, env: dict[str, str]) -> subprocess.Popen:
+    """run_job.sh started in the background, returned once its trainer runs (within 60 s)."""
+    proc = subprocess.Popen(["bash", str(job["app"] / "run_job.sh")], env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    deadline = time.monotonic() + 60
+    while not any(line.startswith("trainer") for line in stub_log(job)):
+        if proc.poll() is not None or time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError(proc.communicate()[0])
+        time.sleep(0.2)
+    return proc
+
+
+def test_a_gateway_killed_while_training_is_restarted_and_the_job_goes_on(job):
+    """Issue 44: the public gateway dies mid-training (SIGKILL, as an OOM kill would): serve_env.sh restarts it and
+    says so in its log, run_job.sh's watchdog sees the env server alive, and the trainer runs to its end."""
+    env = {**job["env"], "STUB_TRAIN": "slow_first_step", "STALL_SECONDS": "4", "FINAL_EVAL": "0"}
+    proc = start_until_training(job, env)
+    try:
+        gateway = [pid for pid in leftovers(job["token"])
+                   if b"capture_gateway.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        assert len(gateway) == 1, gateway
+        os.kill(gateway[0], signal.SIGKILL)
+        out, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    assert "trainer finished 3 steps" in out
+    text = (job["tmp"] / "logs" / "env_server.log").read_text()
+    assert f"capture gateway exited (status 137); restarting it (1 of {recipe.GATEWAY_RESTARTS} in a row)" in text
+    assert_no_leftovers(job["token"])
+
+
 def test_failing_final_eval_fails_the_job(job):
     out = run_job(job, STUB_EVAL="fail")
     assert out.returncode != 0
@@ -159,13 +195,8 @@ def test_env_server_dying_during_training_ends_job(job):
 
 def test_sigterm_stops_everything(job):
     env = {**job["env"], "STUB_TRAIN": "stall", "STALL_SECONDS": "60"}
-    proc = subprocess.Popen(["bash", str(job["app"] / "run_job.sh")], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    proc = start_until_training(job, env)
     try:
-        deadline = time.monotonic() + 60
-        while not any(line.startswith("trainer") for line in stub_log(job)):
-            assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read() if proc.stdout else ""
-            time.sleep(0.2)
         proc.send_signal(signal.SIGTERM)
         rc = proc.wait(timeout=20)
         assert rc == 143, proc.stdout.read() if proc.stdout else ""  # what the script said, if it ended otherwise

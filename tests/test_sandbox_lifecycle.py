@@ -33,6 +33,7 @@ from openenv.harbor.client import HarborEnv
 from stubs import upstream_double
 from stubs.procs import free_ports, start, stop, wait_http
 
+import harbor_sessions
 import recipe
 import sandbox_lifecycle
 import seam_patch
@@ -321,6 +322,26 @@ def test_failed_trials_are_kept_newest_first_within_the_disk_budget(tmp_path, mo
     assert sorted(p.name for p in tmp_path.iterdir()) == ["failed-2", "failed-new", "running"]
     assert not old[0].exists() and not old[1].exists()
 
+
+
+def test_a_kept_trial_folder_holds_no_session_key(env_server_process, task_dir, tmp_path, monkeypatch):
+    """Issue 44, item 6: Harbor writes the rollout's capture session key (OpenCode's apiKey and, seam-patched,
+    x-api-key) into the trial's config.json, result.json and lock.json. A failed rollout's folder is kept to be shared
+    for debugging: when the trainer's session closes it (harbor_sessions, as in the job), the key is gone from every
+    file, and the files still parse."""
+    result = hf_sandbox_rollout(task_dir, tmp_path / "trials", monkeypatch)
+    trial, key = tmp_path / "trials" / result.trial_name, result.session_id.encode()
+    written = sorted(path.name for path in trial.rglob("*") if path.is_file() and key in path.read_bytes())
+    assert {"config.json", "result.json", "lock.json"} <= set(written), written
+    monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(tmp_path / "trials"))
+    session = harbor_sessions.HarborRolloutSession("http://127.0.0.1:9", split="train", task_index=0, sampling={})
+    session.result = result
+    session.close()
+    assert trial.is_dir()  # failed: kept
+    assert [path for path in trial.rglob("*") if path.is_file() and key in path.read_bytes()] == []
+    for name in written:
+        if name.endswith(".json"):
+            assert sandbox_lifecycle.REDACTED in json.dumps(json.loads((trial / name).read_text()))
 
 # --- the ledger's timing, for the smoke report --------------------------------------------------------------------
 def test_the_ledger_keeps_the_count_and_the_slowest_of_each_part_and_of_setup(tmp_path):

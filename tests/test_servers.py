@@ -4,14 +4,18 @@ capture_gateway.py: on the public port only /capture/... answers."""
 
 from __future__ import annotations
 
+import concurrent.futures
 import http.client
 import json
 import os
+import select
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -219,18 +223,25 @@ def synthetic_tasks(root: Path) -> Path:
     return root
 
 
+# The gateway's read deadlines, short so that the tests below see them act (recipe.py: the job's values).
+SHORT_DEADLINES = {"GATEWAY_HEAD_TIMEOUT": "2", "GATEWAY_BODY_TIMEOUT": "2"}
+
+
+def serve_env_env(tmp: Path, upstream: object, env_port: int, public_port: int, **extra: str) -> dict[str, str]:
+    """serve_env.sh's environment on loopback: one synthetic task, `upstream` (the vLLM double) as the policy."""
+    return bash_env(tmp, DATASETS=str(synthetic_tasks(tmp / "train")), SPACE_HOST=f"job--{public_port}.hf.jobs",
+                    HF_TOKEN="hf_dummy", POLICY_URL=f"http://127.0.0.1:{upstream.server_address[1]}",
+                    ENV_PORT=str(env_port), PUBLIC_PORT=str(public_port), PUBLIC_HOST="127.0.0.1",
+                    OPENENV_CAPTURE_ADMIN_KEY=ADMIN, **extra)
+
+
 @pytest.fixture(scope="module")
 def job_ports(tmp_path_factory):
     """serve_env.sh (real env server + gateway) in front of a vLLM double; yields (env_port, public_port)."""
     tmp = tmp_path_factory.mktemp("serve_env")
     upstream = upstream_double.start(model=recipe.SERVED_MODEL_NAME)
     env_port, public_port = free_ports(2)
-    env = bash_env(
-        tmp, DATASETS=str(synthetic_tasks(tmp / "train")), SPACE_HOST=f"job--{public_port}.hf.jobs",
-        HF_TOKEN="hf_dummy", POLICY_URL=f"http://127.0.0.1:{upstream.server_address[1]}",
-        ENV_PORT=str(env_port), PUBLIC_PORT=str(public_port), PUBLIC_HOST="127.0.0.1",
-        OPENENV_CAPTURE_ADMIN_KEY=ADMIN,
-    )
+    env = serve_env_env(tmp, upstream, env_port, public_port, **SHORT_DEADLINES)
     log = open(tmp / "serve_env.log", "w")  # closed in the finally below
     proc = start(["bash", str(ROOT / "serve_env.sh")], env=env, log=log)
     try:
@@ -286,7 +297,7 @@ def test_task_api_answers_on_loopback(job_ports):
 
 def test_public_port_forwards_capture_data_plane(job_ports):
     env_port, public_port, _ = job_ports
-    status, text = request(public_port, "GET", "/capture/health")
+    status, text = request(env_port, "GET", "/capture/health")
     assert status == 200 and json.loads(text)["capture_level"] == "tokens"
     session = "gw-session-1"
     status, text = request(env_port, "POST", "/capture/sessions", {"session_id": session},
@@ -304,7 +315,7 @@ def test_public_port_forwards_capture_data_plane(job_ports):
     status, text = request(env_port, "GET", f"/capture/sessions/{session}", headers=admin)
     assert json.loads(text)["n_turns"] == 2
     status, text = request(public_port, "POST", "/capture/v1/chat/completions", chat, {"x-api-key": "unknown"})
-    assert status == 401 and "unknown API key" in text
+    assert status == 401 and "unknown capture session key" in text
 
 
 def answer_to_head(port: int, head: str, timeout: float = 10) -> tuple[int, str]:
@@ -334,7 +345,8 @@ def test_public_port_refuses_a_request_without_a_session_key_before_reading_its_
 
 
 def test_public_port_refuses_a_body_over_the_cap_before_reading_it(job_ports):
-    _, public_port, _ = job_ports
+    env_port, public_port, _ = job_ports
+    live_session(env_port, "gw-session-cap")
     head = ("POST /capture/v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: gw-session-cap\r\n"
             f"content-type: application/json\r\ncontent-length: {recipe.CAPTURE_MAX_BODY_BYTES + 1}\r\n\r\n")
     status, text = answer_to_head(public_port, head)
@@ -376,25 +388,21 @@ def test_gateway_finds_the_session_key_where_the_capture_proxy_does(headers):
     assert capture_gateway.session_key(Headers(headers)) == (extract_api_key(headers) or None)
 
 
-def test_gateway_refuses_a_chunked_body_over_the_cap_while_reading_it():
-    """No Content-Length to go by: the gateway stops reading past the cap and forwards nothing (its upstream here is a
-    closed port: a forwarded request would be a 502)."""
-    from starlette.testclient import TestClient
-
-    import capture_gateway
-    from tests.offline import closed_url
-
-    chunk = b"x" * 65536
-
-    def body():
-        for _ in range(recipe.CAPTURE_MAX_BODY_BYTES // len(chunk) + 1):
-            yield chunk
-
-    with TestClient(capture_gateway.create_app(closed_url())) as client:
-        reply = client.post("/capture/v1/chat/completions", content=body(), headers={"x-api-key": "s-1"})
-        assert reply.status_code == 413 and "request body over" in reply.text
-        reply = client.post("/capture/v1/chat/completions", content=b"{}", headers={"x-api-key": "s-1"})
-        assert reply.status_code == 502  # under the cap it is forwarded (and the closed upstream refuses it)
+def test_gateway_refuses_a_chunked_body_over_the_cap_while_reading_it(job_ports):
+    """No Content-Length to go by: the gateway stops reading a live session's body past the cap and forwards nothing;
+    under the cap the same chunked body is forwarded."""
+    env_port, public_port, _ = job_ports
+    session = live_session(env_port, "gw-chunked")
+    chunk = json.dumps(CHAT).encode() + b" " * 65536
+    head = (f"POST /capture/v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: {session}\r\nconnection: close\r\n"
+            "content-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n").encode()
+    over = b"%x\r\n%s\r\n" % (len(chunk), chunk) * (recipe.CAPTURE_MAX_BODY_BYTES // len(chunk) + 2)
+    answer = exchange(public_port, head + over + b"0\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413") and b"request body over" in answer, answer[:200]
+    assert turns(env_port, session) == 0
+    answer = exchange(public_port, head + b"%x\r\n%s\r\n0\r\n\r\n" % (len(chunk), chunk))
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert turns(env_port, session) == 1
 
 
 @pytest.mark.parametrize(
@@ -426,6 +434,255 @@ def test_refused_paths_exist_on_loopback(job_ports):
     env_port, _, _ = job_ports
     assert request(env_port, "GET", "/health")[0] == 200
     assert request(env_port, "GET", "/capture/sessions", headers={"authorization": f"Bearer {ADMIN}"})[0] == 200
+
+
+# --- the public port under abuse (issue 44): limits the gateway itself enforces -------------------------------------
+# Each test drives the real gateway (serve_env.sh's, or one more in front of the same env server) over raw sockets.
+# Latency of a legit session during each abuse is measured by benchmarks/gateway_abuse.py, never asserted here.
+CHAT = {"model": "LFM2.5-2.6B", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 16}
+CLOSE_WITHIN_S = 30  # far past every deadline the tests set (2 s): a connection still open then was never closed
+
+
+def live_session(env_port: int, session: str) -> str:
+    """A capture session registered on the env server (its key is what a sandbox's OpenCode sends)."""
+    status, text = request(env_port, "POST", "/capture/sessions", {"session_id": session},
+                           {"authorization": f"Bearer {ADMIN}"})
+    assert status == 200, text
+    return session
+
+
+def chat_head(key: str, length: int, extra: str = "", close: bool = True) -> bytes:
+    """A chat call's head; `close`: the server closes the connection after answering (exchange() reads till then)."""
+    return (f"POST /capture/v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-api-key: {key}\r\n{extra}"
+            f"{'connection: close\r\n' if close else ''}content-type: application/json\r\n"
+            f"content-length: {length}\r\n\r\n").encode()
+
+
+def exchange(port: int, data: bytes, timeout: float = CLOSE_WITHIN_S) -> bytes:
+    """Send `data` on a fresh connection and read until the server closes it: what the server answered (a server
+    that closes mid-send may reset the connection: what came before the reset is the answer)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        answer = b""
+        try:
+            sock.sendall(data)
+            while chunk := sock.recv(65536):
+                answer += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+    return answer
+
+
+def closed_by_server(sock: socket.socket, timeout: float = CLOSE_WITHIN_S, dribble: bytes = b"") -> bytes | None:
+    """Wait up to `timeout` s for the server to close `sock`, sending one byte of `dribble` every 0.2 s meanwhile;
+    returns what the server sent before closing, or None if it was still open at the end."""
+    deadline, sent, answer = time.monotonic() + timeout, 0, b""
+    while time.monotonic() < deadline:
+        try:
+            if sent < len(dribble):
+                sock.sendall(dribble[sent:sent + 1])
+                sent += 1
+            ready, _, _ = select.select([sock], [], [], 0.2)
+            if ready:
+                chunk = sock.recv(65536)
+                if not chunk:
+                    return answer
+                answer += chunk
+        except (BrokenPipeError, ConnectionResetError):
+            return answer
+    return None
+
+
+def test_public_port_refuses_heads_over_the_cap_and_forwards_nothing(job_ports):
+    """Defect 1: a head past recipe.GATEWAY_MAX_HEAD_BYTES never reaches the env server, whether it arrives in one
+    read (16 KB + 1) or streams in (4 MB); one under the cap passes."""
+    env_port, public_port, _ = job_ports
+    session = live_session(env_port, "gw-head-cap")
+    body = json.dumps(CHAT).encode()
+    calls = len(upstream_double.REQUESTS)
+    answer = exchange(public_port, chat_head(session, len(body), f"x-pad: {'a' * recipe.GATEWAY_MAX_HEAD_BYTES}\r\n")
+                      + body)
+    assert answer.split(b" ", 2)[1:2] in ([b"400"], [b"431"]), answer[:200]
+    # Refused while it streams in: the gateway closes with most of it unread, so the client may see only a reset.
+    answer = exchange(public_port, chat_head(session, len(body), f"x-pad: {'a' * 4 * 2**20}\r\n") + body)
+    assert answer == b"" or answer.startswith(b"HTTP/1.1 400"), answer[:200]
+    assert turns(env_port, session) == 0 and len(upstream_double.REQUESTS) == calls
+    answer = exchange(public_port, chat_head(session, len(body), f"x-pad: {'a' * 8192}\r\n") + body)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert turns(env_port, session) == 1
+
+
+def test_public_port_closes_an_unfinished_head_past_the_cap_at_once(job_ports):
+    """Defect 1: a head that never ends is not buffered: past the cap the gateway answers 400 and closes."""
+    _, public_port, _ = job_ports
+    with socket.create_connection(("127.0.0.1", public_port), timeout=CLOSE_WITHIN_S) as sock:
+        try:
+            sock.sendall(b"GET /capture/v1/models HTTP/1.1\r\nHost: x\r\n" + b"x-pad: a\r\n" * 8192)  # 80 KB, no end
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        answer = closed_by_server(sock)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 400"), answer
+
+
+def test_public_port_closes_a_head_that_never_finishes(job_ports):
+    """Defect 2: a head dribbled a byte at a time (which resets uvicorn's keep-alive timer) or never sent at all is
+    closed at recipe's GATEWAY_HEAD_TIMEOUT (2 s here), and so is a keep-alive connection whose next head dribbles."""
+    env_port, public_port, _ = job_ports
+    with socket.create_connection(("127.0.0.1", public_port), timeout=CLOSE_WITHIN_S) as silent, \
+            socket.create_connection(("127.0.0.1", public_port), timeout=CLOSE_WITHIN_S) as dribbler:
+        dribbler.sendall(b"POST /capture/v1/chat/completions HTTP/1.1\r\nHost: x\r\n")
+        assert closed_by_server(dribbler, dribble=b"x-a: " + b"a" * 1000) is not None
+        assert closed_by_server(silent) is not None
+    session = live_session(env_port, "gw-keepalive")
+    body = json.dumps(CHAT).encode()
+    with socket.create_connection(("127.0.0.1", public_port), timeout=CLOSE_WITHIN_S) as sock:
+        sock.sendall(chat_head(session, len(body), close=False) + body)
+        answer = sock.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+        assert closed_by_server(sock, dribble=b"GET /capture/v1/models HTTP/1.1\r\n" + b"x" * 1000) is not None
+
+
+def test_public_port_answers_408_to_a_body_that_stalls(job_ports):
+    """Defect 2: a live session's body that stops arriving is answered 408 at GATEWAY_BODY_TIMEOUT (2 s here)."""
+    env_port, public_port, _ = job_ports
+    session = live_session(env_port, "gw-slow-body")
+    with socket.create_connection(("127.0.0.1", public_port), timeout=CLOSE_WITHIN_S) as sock:
+        sock.sendall(chat_head(session, 1000) + b'{"model": ')
+        answer = closed_by_server(sock)
+    assert answer is not None and answer.startswith(b"HTTP/1.1 408"), answer
+    assert turns(env_port, session) == 0
+
+
+@pytest.fixture(scope="module")
+def capped_gateway(job_ports, tmp_path_factory):
+    """One more real gateway in front of the same env server, with a cap of 8 idle connections and the job's own
+    60 s head deadline (so that only the cap closes connections in the test); yields its port."""
+    env_port, _, _ = job_ports
+    port = free_port()
+    log = open(tmp_path_factory.mktemp("capped") / "gateway.log", "w")  # closed in the finally below
+    proc = start([sys.executable, str(ROOT / "capture_gateway.py"), "--listen-host", "127.0.0.1", "--listen-port",
+                  str(port), "--upstream", f"http://127.0.0.1:{env_port}"], log=log,
+                 env={"GATEWAY_IDLE_CONNECTIONS": "8", "GATEWAY_HEAD_TIMEOUT": "60",
+                      "OPENENV_CAPTURE_ADMIN_KEY": ADMIN})
+    try:
+        wait_http(f"http://127.0.0.1:{port}/capture/health", proc, timeout=30)
+        yield port
+    finally:
+        stop(proc)
+        log.close()
+
+
+def test_a_connection_flood_closes_idle_connections_never_a_live_sessions(job_ports, capped_gateway):
+    """Defect 2: past GATEWAY_IDLE_CONNECTIONS (8 here) the longest-idle connection is closed, so 24 silent
+    connections cannot exhaust the gateway's descriptors; a live session's request in flight (its body half sent)
+    is not idle, survives the flood and is answered."""
+    env_port, _, _ = job_ports
+    session = live_session(env_port, "gw-flood")
+    body = json.dumps(CHAT).encode()
+    with socket.create_connection(("127.0.0.1", capped_gateway), timeout=CLOSE_WITHIN_S) as legit:
+        legit.sendall(chat_head(session, len(body)) + body[:5])
+        time.sleep(0.5)  # the gateway has checked the key and is reading the body
+        flood = [socket.create_connection(("127.0.0.1", capped_gateway), timeout=CLOSE_WITHIN_S) for _ in range(24)]
+        try:
+            closed = [sock for sock in flood if closed_by_server(sock, timeout=0.5) is not None]
+            legit.sendall(body[5:])
+            answer = legit.recv(65536)
+        finally:
+            for sock in flood:
+                sock.close()
+    assert len(closed) >= 16, len(closed)
+    assert answer.startswith(b"HTTP/1.1 200"), answer[:200]
+    assert turns(env_port, session) == 1
+
+
+def session_reads(log: Path) -> int:
+    """How often the env server answered the capture proxy's session list (its access log)."""
+    return log.read_text().count('"GET /capture/sessions HTTP/1.1" 200')
+
+
+def test_made_up_keys_are_refused_before_their_bodies_and_cost_the_env_server_few_reads(job_ports):
+    """Defect 3: 40 requests with made-up keys, each announcing a 4 MB body it never sends, are all answered 401
+    at once; the gateway learnt the live sessions from the env server's session list, read at most once per
+    recipe.GATEWAY_SESSION_READ_S however many keys were tried."""
+    _, public_port, log = job_ports
+    before, began = session_reads(log), time.monotonic()
+    with concurrent.futures.ThreadPoolExecutor(8) as pool:
+        answers = list(pool.map(lambda i: answer_to_head(public_port, chat_head(f"s{i:024x}", 4 * 2**20).decode()),
+                                range(40)))
+    elapsed = time.monotonic() - began
+    assert all(status == 401 and "unknown capture session" in text for status, text in answers), answers[:3]
+    assert session_reads(log) - before <= 2 + elapsed / recipe.GATEWAY_SESSION_READ_S
+
+
+def test_count_tokens_and_models_answer_only_a_live_session(job_ports):
+    """Defects 3 and 4: the capture app answers count_tokens before its session check and /v1/models to anyone (one
+    vLLM call each): through the gateway both need a live session's key, and a made-up one costs vLLM nothing."""
+    env_port, public_port, _ = job_ports
+    session = live_session(env_port, "gw-aux")
+    gets = len(upstream_double.GETS)
+    messages = {"model": "m", "max_tokens": 1, "messages": [{"role": "user", "content": "x" * 4000}]}
+    for key in ({}, {"x-api-key": "junk"}):
+        assert request(public_port, "POST", "/capture/v1/messages/count_tokens", messages, key)[0] == 401
+        assert request(public_port, "GET", "/capture/v1/models", None, key)[0] == 401
+    assert upstream_double.GETS[gets:] == []
+    status, text = request(public_port, "POST", "/capture/v1/messages/count_tokens", messages, {"x-api-key": session})
+    assert status == 200 and json.loads(text)["input_tokens"] > 0
+    status, text = request(public_port, "GET", "/capture/v1/models", None, {"x-api-key": session})
+    assert status == 200 and recipe.SERVED_MODEL_NAME in text
+
+
+def test_keyless_health_says_ok_and_nothing_internal(job_ports):
+    """Defect 4: the public readiness check shows no session count, no engine URL, no capture settings."""
+    env_port, public_port, _ = job_ports
+    live_session(env_port, "gw-health")
+    status, text = request(public_port, "GET", "/capture/health")
+    assert status == 200 and json.loads(text) == {"status": "ok"}, text
+
+
+def children(pid: int) -> dict[int, str]:
+    """The child processes of `pid`: pid -> command line."""
+    found = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+            if int(fields[1]) == pid:
+                found[int(stat.parent.name)] = (stat.parent / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+        except (OSError, IndexError, ValueError):
+            continue
+    return found
+
+
+def test_a_killed_gateway_is_restarted_while_the_env_server_and_its_sessions_go_on(tmp_path):
+    """If the gateway dies anyway (here: SIGKILL between two calls of a rollout's session), serve_env.sh restarts it
+    and logs it; the env server (and so the trainer, which run_job.sh stops only when serve_env.sh exits) goes on, and
+    the same session's next call is answered. Past GATEWAY_RESTARTS (1 here) in a row, serve_env.sh stops, saying so."""
+    upstream = upstream_double.start(model=recipe.SERVED_MODEL_NAME)
+    env_port, public_port = free_ports(2)
+    env = serve_env_env(tmp_path, upstream, env_port, public_port, GATEWAY_RESTARTS="1")
+    log_path = tmp_path / "serve_env.log"
+    with log_path.open("w") as log:
+        proc = start(["bash", str(ROOT / "serve_env.sh")], env=env, log=log)
+        try:
+            wait_http(f"http://127.0.0.1:{env_port}/health", proc, timeout=60)
+            wait_http(f"http://127.0.0.1:{public_port}/capture/health", proc, timeout=30)
+            session = live_session(env_port, "gw-restart")
+            call = ("POST", "/capture/v1/chat/completions", CHAT, {"x-api-key": session})
+            assert request(public_port, *call)[0] == 200
+            server = next(pid for pid, cmd in children(proc.pid).items() if "seam_patch.py" in cmd)
+            for kill in (1, 2):
+                gateway = next(pid for pid, cmd in children(proc.pid).items() if "capture_gateway.py" in cmd)
+                os.kill(gateway, signal.SIGKILL)
+                if kill == 1:
+                    wait_http(f"http://127.0.0.1:{public_port}/capture/health", proc, timeout=30)
+                    assert request(public_port, *call)[0] == 200 and turns(env_port, session) == 2
+                    assert server in children(proc.pid) and proc.poll() is None
+            proc.wait(timeout=30)
+        finally:
+            stop(proc)
+            upstream.shutdown()
+    text = log_path.read_text()
+    assert "capture gateway exited (status 137); restarting it (1 of 1 in a row)" in text
+    assert "capture gateway exited (status 137) after 1 restarts in a row (GATEWAY_RESTARTS)" in text
+    assert proc.returncode != 0
 
 
 # --- stretch: the real OpenCode client through a proxy that strips Authorization ---------------------

@@ -8,6 +8,9 @@ adapter. That start is a relaunch after a failed final push or a crashed final e
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -96,3 +99,55 @@ def test_a_fresh_start_into_a_repo_holding_another_runs_checkpoints_is_refused_b
                                                  r"RESUME=0 .* or train into a new ADAPTER_REPO"):
         train_lora.train(settings(tmp_path / "fresh", 3, RESUME="0"), factory=never_build, api=finished)
     assert finished.commits[before:] == [] and not (tmp_path / "fresh" / "out").exists()
+
+
+# --- a disk that fills during a checkpoint save (issue 44, item 5) ----------------------------------------------------
+# The trainer's checkpoint save, transformers' own (what TRL's AsyncGRPOTrainer calls), of the tiny LFM2's LoRA with
+# its optimizer state, as `train_lora.py` runs it; `train` is the only part replaced.
+SAVE_AS_THE_TRAINER = """
+import sys
+sys.path[:0] = sys.argv[1:3]
+import torch
+from peft import get_peft_model
+from transformers import Trainer, TrainingArguments
+import tiny_lfm2, train_lora
+
+def train(settings, **_):
+    model = get_peft_model(tiny_lfm2.tiny_model()[0], train_lora.lora_config())
+    trainer = Trainer(model=model, args=TrainingArguments(output_dir=settings.output_dir, report_to=[], use_cpu=True))
+    trainer.create_optimizer_and_scheduler(num_training_steps=1)
+    model(input_ids=torch.tensor([[1, 2, 3]]), labels=torch.tensor([[1, 2, 3]])).loss.backward()
+    trainer.optimizer.step()
+    trainer.state.global_step = 1
+    trainer._save_checkpoint(model, trial=None)
+
+train_lora.train = train
+sys.exit(train_lora.main([]))
+"""
+
+
+def test_a_disk_that_fills_during_a_checkpoint_save_ends_the_trainer_saying_so_and_where(tmp_path):
+    """A 1 MiB tmpfs (in a user and mount namespace: no root needed, nothing mounted outside) holds the adapter
+    (0.55 MB) but not the optimizer state (1.1 MB): torch.save fails with `[enforce fail at inline_container.cc:672]
+    . unexpected pos`, no ENOSPC anywhere in its exception chain. The trainer's last line says the disk is full and
+    which folder, and how to go on."""
+    disk = tmp_path / "disk"
+    disk.mkdir()
+    probe = subprocess.run(["unshare", "-rm", "mount", "-t", "tmpfs", "-o", "size=1m", "none", str(disk)],
+                           capture_output=True, text=True)
+    if probe.returncode != 0:
+        reason = f"needs a user and mount namespace (unshare -rm): {probe.stderr.strip()}"
+        if os.environ.get("CI") == "true":
+            pytest.fail(reason)
+        pytest.skip(reason)
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "ADAPTER_REPO": REPO, "HF_TOKEN": "hf_test", "DEVICE": "cpu", "DEBUG": "0",
+           "OUTPUT_DIR": str(disk / "out"), "HEARTBEAT_FILE": str(tmp_path / "heartbeat")}
+    mount_then_run = 'mount -t tmpfs -o size=1m none "$1" && shift && exec "$@"'
+    out = subprocess.run(["unshare", "-rm", "sh", "-c", mount_then_run, "sh", str(disk), sys.executable, "-c",
+                          SAVE_AS_THE_TRAINER, str(root), str(root / "tests")],
+                         env=env, capture_output=True, text=True, timeout=300)
+    last = out.stderr.strip().splitlines()[-1]
+    assert out.returncode == 1, out.stderr[-3000:]
+    assert last.startswith(f"train_lora.py: the disk holding {disk / 'out'} is full ("), last
+    assert "unexpected pos" in last and "relaunch" in last

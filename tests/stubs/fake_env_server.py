@@ -1,4 +1,5 @@
-"""Stand-in for `openenv harbor serve` in run_job.sh tests: answers /health and /capture/health on --port.
+"""Stand-in for `openenv harbor serve` in run_job.sh tests: answers /health and /capture/health on --port, and the
+capture proxy's session list (none) to its admin key, as the gateway reads it.
 
 STUB_ENV=crash exits 4 at once; STUB_ENV=die_after exits 5 after STUB_ENV_SECONDS (default 1.5 s).
 """
@@ -14,6 +15,12 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 class Handler(BaseHTTPRequestHandler):
     def do_GET(self) -> None:  # noqa: N802
+        admin = self.headers.get("authorization") == f"Bearer {os.environ.get('OPENENV_CAPTURE_ADMIN_KEY')}"
+        if self.path == "/capture/sessions":
+            self.send_response(200 if admin else 401)
+            self.end_headers()
+            self.wfile.write(b'{"sessions": []}' if admin else b"{}")
+            return
         ok = self.path in ("/health", "/capture/health")
         self.send_response(200 if ok else 404)
         self.end_headers()

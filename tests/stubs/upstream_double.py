@@ -3,8 +3,8 @@
 Serves `GET /health`, `GET /v1/models` and `POST /v1/chat/completions` answering with vLLM's
 token-capture fields (`prompt_token_ids`, `choices[0].token_ids`,
 `choices[0].logprobs.content[{token: "token_id:N", logprob}]`). Logprobs scale with temperature, as
-processed logprobs do. Every chat request is appended to `REQUESTS` (in-process use) and, with
-`--log FILE`, to a JSON-lines file.
+processed logprobs do. Every chat request is appended to `REQUESTS` and every GET path to `GETS` (in-process
+use) and, with `--log FILE`, chat requests to a JSON-lines file.
 
     python tests/stubs/upstream_double.py --host 127.0.0.1 --port 8100 --model org/model
 """
@@ -17,6 +17,7 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 REQUESTS: list[dict] = []
+GETS: list[str] = []
 
 
 def completion(body: dict, model: str) -> dict:
@@ -57,6 +58,7 @@ def handler(model: str, log: str | None) -> type[BaseHTTPRequestHandler]:
             self.wfile.write(data)
 
         def do_GET(self) -> None:  # noqa: N802
+            GETS.append(self.path)
             if self.path == "/health":
                 self._send(200, {"status": "ok"})
             elif self.path == "/v1/models":
