@@ -94,13 +94,20 @@ MAX_TOOL_CALLING_ITERATIONS = 32
 # (one per `opencode run`), so the cap is the agent's budget plus that one call.
 OPENCODE_AUX_CALLS = 1
 AGENT_CALL_LIMIT = MAX_TOOL_CALLING_ITERATIONS + OPENCODE_AUX_CALLS
-# vLLM context: the whole 32-turn agent conversation must fit (LFM2.5 context length).
+# vLLM context: the whole 32-turn agent conversation must fit (LFM2.5 context length). The capture proxy sends every
+# call's max_tokens as MAX_TOKENS and vLLM reserves it, so the real prompt limit is MAX_MODEL_LEN - MAX_TOKENS = 28,672
+# tokens: a longer prompt is refused, the proxy ends the agent gracefully and the rollout is graded and trained as it
+# stands (train_rollouts logs it as `context_exhausted`, apart from `budget_stops` and `cut` turns).
 MAX_MODEL_LEN = 32768
 # Agent wall-clock limit per rollout. OpenEnv's client gives a rollout call 1800 s in all
 # (_ROLLOUT_TIMEOUT_S), sandbox boot and grading included: stay well under it.
 AGENT_TIMEOUT_SEC = 1500
 
 # --- Optimisation ------------------------------------------------------------
+# The recipe's (env LEARNING_RATE, launch.py --learning-rate). The lineage fine-tuned the full model at 3e-6. A LoRA
+# update is B @ A with B starting at zero, so each step moves the weights far less than a full fine-tune's step at
+# the same rate: LoRA is commonly run ~10x higher ("LoRA Without Regret", Schulman et al. 2025). Watch
+# `lora/update_norm` and the reward (docs/training.md) before raising it.
 LEARNING_RATE = 1e-6
 # What a step trains: NUM_GENERATIONS training rows (train_lora.conv_safe_batching), and TRL 1.15 counts rows, not
 # rollouts. A rollout is one row while every turn's prompt extends the previous turn's tokens; a forked capture
@@ -133,17 +140,21 @@ MAX_INFLIGHT_ROLLOUTS = 32
 # batching). 24 trained 100% of them on all five distributions, with the recipe's batching too, at 24 steps/hour on
 # lognormal instead of 14 (41 h for 1,000 steps instead of 71).
 # The importance ratio: each token's ratio is pi_trainer / pi_sampled, pi_sampled being the policy vLLM sampled it
-# with, now up to 24 versions old (25 for a step's first sample: TRL checks it one fetch early). Under
-# full-vocabulary sampling its expectation is exactly 1 at any staleness (E_q[p/q] = 1), so the step mean TRL logs as
-# `ratio` and the band below (RATIO_MIN-RATIO_MAX, checked on it by smoke_report.ratio_band; the rehearsal's own band
-# is for its random model) keep their meaning: staleness widens the per-token spread (clip_ratio/*,
-# ratio/sample_min|max), which TRL's clipped objective bounds, not the mean.
+# with, now up to 24 versions old (25 for a step's first sample: TRL checks it one fetch early). Its expectation under
+# full-vocabulary sampling is 1 whatever the staleness (E_q[p/q] = 1), so no mean ratio can show staleness: what
+# staleness costs shows as `kl/old` and `clip_ratio/old` against their `fresh` (rows at most STALENESS_SPLIT versions
+# old, TRL's default max_staleness) and as `clip_ratio/unbounded_total` (train_metrics.py; docs/training.md says when
+# to lower this: env MAX_STALENESS).
 MAX_STALENESS = 24
+STALENESS_SPLIT = 4
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
 
 # --- Reward ------------------------------------------------------------------
 # reward = CORRECT_REWARD * env_reward + TOOL_BONUS * max(0, (TOOL_BUDGET - tool_calls) / TOOL_BUDGET),
-# the bonus only on correct answers (so it cannot reward giving up).
+# the bonus only on correct answers (so it cannot reward giving up). TRL divides a group's rewards by their std, so the
+# bonus is not small where it is the only contrast: in an all-correct group of 8 where one rollout makes one more tool
+# call, that rollout's advantage is -2.6, as large as a lone right answer's +2.6 among wrong ones. That is the intended
+# contrast of all-correct groups (fewer calls for the same answer); `group/bonus_only_frac` logs how often it is all.
 CORRECT_REWARD = 1.0
 TOOL_BONUS = 0.1
 TOOL_BUDGET = MAX_TOOL_CALLING_ITERATIONS
@@ -279,11 +290,24 @@ SMOKE_EVAL_TASKS = 4
 # smoke job's, plus this for the waves after the smoke's final adapter lands (base, 4 checkpoints, final).
 SMOKE_WATCH_TASKS = 2
 SMOKE_WATCH_EXTRA_S = 3600
-# The importance ratio (trainer / vLLM probabilities, TRL's logged `ratio`) the recipe expects with full-vocabulary
-# sampling and bf16 serving; a step outside it means trainer and vLLM disagree on the policy: NO-GO.
+# The token-weighted mean importance ratio of a step (`ratio/token_mean`). Its expectation is 1 for any sampler that
+# gives every token some probability (E_q[p/q] = 1), so staleness, a bf16 kernel gap or a stuck sync cannot move it;
+# truncated sampling can (top_p 0.99 puts it at ~0.990): the smoke run's median step outside this band (widened by
+# RATIO_TOLERANCE for bf16 serving) is NO-GO. Per-row means spread wider on a healthy run (at a per-token KL of
+# 1.8e-4, 0.9926-1.0067 for rows of 50 tokens) and are reported, not judged.
 RATIO_MIN = 0.998
 RATIO_MAX = 1.0
-RATIO_TOLERANCE = 0.002  # bf16 rounding of the served logprobs either side of the band, on a per-step mean.
+RATIO_TOLERANCE = 0.002
+# The ceiling on TRL's `kl` (the k3 estimator (r - 1) - log r, mean of per-row means) for the smoke run's median step:
+# trainer and vLLM disagreeing on the policy (weights, template, dtype). Chosen from: a healthy bf16-served run's
+# per-token KL of about 1.8e-4 (issue 41), vLLM-vs-trainer KLs of 4e-4 to 1e-2 reported for dense-model RL runs, and
+# TRL's clip: at 1e-2 the typical token's |log ratio| is ~0.14 = 0.7 eps, so a sizeable share of tokens sits outside
+# the clip band and the step trains on clipped, biased gradients. 55x the healthy level; truncation alone (top_p 0.99)
+# adds only ~5e-5, which is why the ratio band, not this, catches it.
+SMOKE_KL_MAX = 0.01
+# The smoke report warns (does not fail) when more than this share of the trained rows came from zero-contrast groups:
+# such a run mostly trains nothing (its tasks too hard or too easy for the policy).
+SMOKE_ZERO_CONTRAST_WARN = 0.5
 
 # Smoke stage budget, in seconds: each stage's typical time and its worst case, the longest the job's own limits let
 # it run before it fails anyway. The job's cap is the worst-case total plus SMOKE_MIN_MARGIN, rounded up to
@@ -426,14 +450,26 @@ def graded_reward(result: Any) -> float | None:
     Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
     (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
     reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
-    or the proxy refused it: the verifier graded an untouched workspace) is no grade. `result` is OpenEnv's
+    or the proxy refused it: the verifier graded an untouched workspace) is no grade, nor is a rollout whose model
+    calls failed at the engine (upstream_errors: an outage is not the policy's answer). `result` is OpenEnv's
     HarborRolloutResult (read by attribute, so this module needs no openenv).
     """
     reward = getattr(result, "reward", None)
     turns = getattr(result, "turns", None) or []
-    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
+    if reward is None or upstream_errors(result) or not any(t.role == "agent" and not t.discarded for t in turns):
         return None
     return float(reward)
+
+
+# openenv 0.10's capture proxy counts a rollout's model calls that failed at the engine (a 5xx, a reset: it answers
+# the agent 502) but its result does not carry the count: the env server adds it as this finding (seam_patch.py).
+UPSTREAM_FINDING = "[WARN] upstream_errors: "
+
+
+def upstream_errors(result: Any) -> int:
+    """How many of a rollout's model calls failed at the engine (UPSTREAM_FINDING in its findings; 0 if none)."""
+    found = [f for f in getattr(result, "findings", None) or [] if f.startswith(UPSTREAM_FINDING)]
+    return int(found[0][len(UPSTREAM_FINDING):].split()[0]) if found else 0
 
 
 # --- Checks shared by every entry point ----------------------------------------
@@ -583,6 +619,8 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "MAX_STEPS": (MAX_STEPS, functools.partial(whole_number, upper=TRAIN_MEDIUM + TRAIN_HARD,
                                                why="one training task per step")),
     "SAVE_STEPS": (SAVE_STEPS, whole_number),
+    "LEARNING_RATE": (LEARNING_RATE, positive_number),
+    "MAX_STALENESS": (MAX_STALENESS, whole_number),
     "WEIGHT_SYNC": (WEIGHT_SYNC_MODES[0], functools.partial(one_of, choices=WEIGHT_SYNC_MODES)),
     "STALL_MINUTES": (STALL_MINUTES, positive_number),
     "STALL_SECONDS": (_stall_seconds, whole_number),

@@ -7,7 +7,9 @@ seam of the installed openenv 0.10.0 is wrapped in-process to add `headers: {"x-
 next to the `apiKey` it already sets (kept: where nothing strips it, the Bearer is read first and is
 the session too). No installed file is edited; the env server is started through this module so the
 patch lives in the process that resolves seams. The same process also gets the HF Sandbox idle timeout
-(sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments.
+(sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments, and reports in each
+rollout's result how many of its model calls failed at the engine (the capture proxy counts them in the same process,
+openenv 0.10's result leaves them out: recipe.UPSTREAM_FINDING).
 
     python3 seam_patch.py check                                  # apply + verify, one line each
     python3 seam_patch.py serve -- harbor serve --llm-url ...    # apply, verify, run `openenv ...`
@@ -16,8 +18,9 @@ patch lives in the process that resolves seams. The same process also gets the H
 from __future__ import annotations
 
 import argparse
+import inspect
 import sys
-from dataclasses import replace
+from dataclasses import fields, replace
 from typing import Any
 
 from openenv.harbor import seams
@@ -76,6 +79,52 @@ def apply() -> bool:
     return True
 
 
+class _Recording:
+    """The capture registry as openenv's run_rollout uses it, keeping each session it creates (they are deleted at
+    the rollout's end, after the last model call, so their counts are final)."""
+
+    def __init__(self, registry: Any, created: list[Any]) -> None:
+        self.registry, self.created = registry, created
+
+    def create(self, *args: Any, **kwargs: Any) -> Any:
+        session = self.registry.create(*args, **kwargs)
+        self.created.append(session)
+        return session
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.registry, name)
+
+
+def _with_upstream_errors(original: Any) -> Any:
+    """Wrap openenv's run_rollout so its result's findings say how many model calls failed at the engine."""
+
+    async def run_rollout(*, registry: Any, **kwargs: Any) -> Any:
+        created: list[Any] = []
+        result = await original(registry=_Recording(registry, created), **kwargs)
+        if errors := sum(int(getattr(session, "upstream_errors", 0)) for session in created):
+            result.findings.append(f"{recipe.UPSTREAM_FINDING}{errors} model call(s) failed at the engine")
+        return result
+
+    setattr(run_rollout, _PATCHED, True)
+    return run_rollout
+
+
+def apply_upstream_report() -> bool:
+    """Patch openenv.harbor.rollout.run_rollout in this process (the env server's tool looks it up there per call).
+    Returns True if it changed something, False if already done."""
+    from openenv.core.harness.capture.sessions import Session
+    from openenv.harbor import rollout
+
+    if getattr(rollout.run_rollout, _PATCHED, False):
+        return False
+    if "registry" not in inspect.signature(rollout.run_rollout).parameters or "upstream_errors" not in {
+            f.name for f in fields(Session)}:
+        raise SeamShapeError("openenv's run_rollout(registry=...) or its capture Session.upstream_errors changed: "
+                             "the upstream-error report needs updating for this openenv version")
+    rollout.run_rollout = _with_upstream_errors(rollout.run_rollout)
+    return True
+
+
 def verify() -> dict[str, Any]:
     """Resolve the opencode seam the way a rollout does and check both keys carry the session."""
     probe = "probe-session"
@@ -98,10 +147,12 @@ def main(argv: list[str] | None = None) -> None:
         verify()
         sandbox_lifecycle.apply_idle_timeout()
         idle = sandbox_lifecycle.verify_idle_timeout()
+        apply_upstream_report()
     except (SeamShapeError, sandbox_lifecycle.LifecycleShapeError) as exc:
         sys.exit(f"seam_patch: {exc}")
     print(f"seam_patch: {HARNESS} seam sends the capture session as apiKey and {HEADER}", flush=True)
     print(f"seam_patch: {recipe.SANDBOX} trials ask for idle_timeout={idle} s", flush=True)
+    print("seam_patch: each rollout's result counts its model calls that failed at the engine", flush=True)
     if args.action == "serve":
         rest = args.openenv_args[1:] if args.openenv_args[:1] == ["--"] else args.openenv_args
         from openenv.cli.__main__ import main as openenv_main

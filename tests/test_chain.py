@@ -344,3 +344,34 @@ def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):
     assert len(trace.turns) >= 1  # the turns it made before the timeout are trained
     assert (ledger["rollouts"], ledger["scored"], ledger["timed_out"]) == (5, 1, 1)
     assert ledger["unscorable"] == {"create": 0, "rollout": 3, "capture": 0, "empty_trace": 0, "verifier": 1}
+
+
+def after_the_first_turn(method: str, path: str, body: bytes | None) -> int | None:
+    """An engine that dies mid-rollout: it answers OpenCode's title call and first agent call, then 503s every call
+    that carries a tool result (OpenCode's later turns and their retries)."""
+    if method == "POST" and path.endswith("/chat/completions") and body:
+        if any(m.get("role") == "tool" for m in json.loads(body).get("messages") or []):
+            return 503
+    return None
+
+
+def test_an_engine_outage_mid_rollout_is_unscorable_never_a_grade(chain, tmp_path, monkeypatch):
+    """Issue 41 defect 3, on the real chain: the agent's first call writes the answer, every later call fails at the
+    engine; OpenCode gives up or times out and Harbor still grades the workspace. The env server reports the capture
+    proxy's upstream errors (seam_patch.py) and the rollout is unscorable as `upstream`, never trained with a grade."""
+    front = jobs_proxy_double.start(chain.policy.url, refuse=after_the_first_turn)
+    monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
+    try:
+        (out,), ledger = chain.rollouts([chain.names[2]], tmp_path / "rollouts.json",
+                                        llm_url=f"http://127.0.0.1:{front.server_port}",
+                                        agent_timeout_sec=FAULT_AGENT_TIMEOUT_S)
+    finally:
+        front.shutdown()
+    _, session, _, reward = out
+    result = session.result
+    print(f"chain outage: reward {result.reward}, error {result.error}, findings {result.findings}")
+    assert reward is None and session.failure == "upstream", (reward, session.failure, session.error, ledger)
+    assert result.reward is not None and recipe.upstream_errors(result) >= 1  # graded, and the engine failed
+    assert (ledger["rollouts"], ledger["scored"], ledger["unscorable"]["upstream"]) == (1, 0, 1)
+    (line,) = [json.loads(x) for x in (tmp_path / recipe.ROLLOUT_LOG_NAME).read_text().splitlines()]
+    assert line["outcome"] == "upstream" and line["reward"] is None
