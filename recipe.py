@@ -298,12 +298,10 @@ SMOKE_WATCH_EXTRA_S = 3600
 RATIO_MIN = 0.998
 RATIO_MAX = 1.0
 RATIO_TOLERANCE = 0.002
-# The ceiling on TRL's `kl` (the k3 estimator (r - 1) - log r, mean of per-row means) for the smoke run's median step:
-# trainer and vLLM disagreeing on the policy (weights, template, dtype). Chosen from: a healthy bf16-served run's
-# per-token KL of about 1.8e-4 (issue 41), vLLM-vs-trainer KLs of 4e-4 to 1e-2 reported for dense-model RL runs, and
-# TRL's clip: at 1e-2 the typical token's |log ratio| is ~0.14 = 0.7 eps, so a sizeable share of tokens sits outside
-# the clip band and the step trains on clipped, biased gradients. 55x the healthy level; truncation alone (top_p 0.99)
-# adds only ~5e-5, which is why the ratio band, not this, catches it.
+# The ceiling on TRL's `kl` (k3: (r - 1) - log r, a mean of per-row means) for the smoke run's median step: trainer and
+# vLLM disagree on the policy (weights, template, dtype). 55x a healthy bf16-served run's 1.8e-4 (issue 41); at 0.01
+# the rms log-ratio is 0.14 = 0.7 eps, so a sixth of a Gaussian spread's tokens sit past TRL's clip. Truncation adds
+# only ~5e-5 (top_p 0.99): the ratio band above catches that.
 SMOKE_KL_MAX = 0.01
 # The smoke report warns (does not fail) when more than this share of the trained rows came from zero-contrast groups:
 # such a run mostly trains nothing (its tasks too hard or too easy for the policy).

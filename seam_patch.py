@@ -18,9 +18,8 @@ openenv 0.10's result leaves them out: recipe.UPSTREAM_FINDING).
 from __future__ import annotations
 
 import argparse
-import inspect
 import sys
-from dataclasses import fields, replace
+from dataclasses import replace
 from typing import Any
 
 from openenv.harbor import seams
@@ -79,49 +78,28 @@ def apply() -> bool:
     return True
 
 
-class _Recording:
-    """The capture registry as openenv's run_rollout uses it, keeping each session it creates (they are deleted at
-    the rollout's end, after the last model call, so their counts are final)."""
+def _with_upstream_errors(export: Any) -> Any:
+    """Wrap the export run_rollout takes a finished rollout's capture with, so its findings (which run_rollout copies
+    into the result) also say how many of its model calls failed at the engine."""
 
-    def __init__(self, registry: Any, created: list[Any]) -> None:
-        self.registry, self.created = registry, created
+    def export_session(session: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        document = export(session, *args, **kwargs)
+        if errors := int(getattr(session, "upstream_errors", 0)):
+            note = f"{recipe.UPSTREAM_FINDING}{errors} model call(s) failed at the engine"
+            document["validation"] = [*document.get("validation", []), note]
+        return document
 
-    def create(self, *args: Any, **kwargs: Any) -> Any:
-        session = self.registry.create(*args, **kwargs)
-        self.created.append(session)
-        return session
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.registry, name)
-
-
-def _with_upstream_errors(original: Any) -> Any:
-    """Wrap openenv's run_rollout so its result's findings say how many model calls failed at the engine."""
-
-    async def run_rollout(*, registry: Any, **kwargs: Any) -> Any:
-        created: list[Any] = []
-        result = await original(registry=_Recording(registry, created), **kwargs)
-        if errors := sum(int(getattr(session, "upstream_errors", 0)) for session in created):
-            result.findings.append(f"{recipe.UPSTREAM_FINDING}{errors} model call(s) failed at the engine")
-        return result
-
-    setattr(run_rollout, _PATCHED, True)
-    return run_rollout
+    setattr(export_session, _PATCHED, True)
+    return export_session
 
 
 def apply_upstream_report() -> bool:
-    """Patch openenv.harbor.rollout.run_rollout in this process (the env server's tool looks it up there per call).
-    Returns True if it changed something, False if already done."""
-    from openenv.core.harness.capture.sessions import Session
+    """Patch openenv.harbor.rollout's export_session in this process. Returns True if it changed something."""
     from openenv.harbor import rollout
 
-    if getattr(rollout.run_rollout, _PATCHED, False):
+    if getattr(rollout.export_session, _PATCHED, False):
         return False
-    if "registry" not in inspect.signature(rollout.run_rollout).parameters or "upstream_errors" not in {
-            f.name for f in fields(Session)}:
-        raise SeamShapeError("openenv's run_rollout(registry=...) or its capture Session.upstream_errors changed: "
-                             "the upstream-error report needs updating for this openenv version")
-    rollout.run_rollout = _with_upstream_errors(rollout.run_rollout)
+    rollout.export_session = _with_upstream_errors(rollout.export_session)
     return True
 
 

@@ -1,21 +1,11 @@
-"""What one optimizer step optimises and logs on top of TRL 1.15: the recipe's token-level objective, and the numbers
-that say whether the run is learning (docs/training.md "Reading the dashboard" says how to read each).
+"""What one optimizer step optimises and logs on top of TRL 1.15 (docs/training.md "Reading the dashboard" reads it).
 
-TRL logs per step: `reward`, `kl`, `entropy`, `ratio` (the mean of per-row ratio means), clip ratios, `perf/*`,
-`sample/staleness_mean|max`, `sample/time_in_queue_s`, `rollout/fork_frac`, `tools/call_frequency`, rollout traces.
-Added here, each in one place:
-- StepObjective (mixed into the trainer class): the step's loss divides by all of the step's completion tokens, not
-  each one-sample row's own (train_lora.conv_safe_batching keeps one sample per row; TRL divides each micro-batch's
-  summed loss by that micro-batch's tokens), so every token of the step weighs alike, as TRL's packed default does.
-  Per step it logs `ratio/token_mean` (token-weighted, the smoke verdict's), `ratio/sample_min|max` (per-row means),
-  `kl/fresh|old` and `clip_ratio/fresh|old` (rows at most recipe.STALENESS_SPLIT versions old, and older),
-  `clip_ratio/unbounded_total` (tokens with A < 0 and ratio > 1 + eps, whose loss TRL's clip leaves unbounded),
-  `lora/update_norm` (this step's move of the LoRA's parameters) and `lora/b_norm` (how far it is from the base),
-  `sample/dropped_stale_total` on every step (TRL logs it only on steps that dropped one), and the rollout ledger's
-  growth (train_rollouts.LedgerGrowth: `rollout/*_total`, `rollout/tool_calls_mean`).
-- RecipeRolloutLoop (the rollout child): per trained row, `sample/forked_frac` (its rollout forked),
-  `group/zero_contrast_frac` (every scored reward of its group equal: advantage 0, the step trains nothing from it),
-  `group/bonus_only_frac` (its group's contrast is the tool bonus alone) and `sample/zero_advantage_frac`.
+StepObjective (mixed into the trainer class) makes the loss token-level over the step's rows: TRL divides each
+micro-batch's summed token loss by that micro-batch's tokens, and with one sample per row (train_lora.
+conv_safe_batching) that weighs a short row's tokens far above a long one's; here every micro-batch is told the step's
+tokens. Per step it logs the token-weighted ratio, per-row ratio extremes, kl and clipping by staleness, unbounded
+tokens, the LoRA's movement, the stale-drop count on every step and the rollout ledger's growth. RecipeRolloutLoop (the
+rollout child) stamps each row with whether its rollout forked and its group's contrast, and its policy version.
 """
 
 from __future__ import annotations
