@@ -6,10 +6,8 @@ TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollou
 and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
 with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward. Such a
 rollout fails here only when it has no grade (recipe.graded_reward, the eval's rule too): a graded one
-(an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below. One whose
-model calls failed at the engine (recipe.upstream_errors) is unscorable as `upstream`, whatever its grade: an engine
-outage is not a wrong answer. Each rollout also records how the proxy ended it: its call budget, its context (a prompt
-past recipe.MAX_MODEL_LEN - MAX_TOKENS) and completions cut at the output cap, which all end graded and trained.
+(an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below; one whose
+model calls failed at the engine (recipe.upstream_errors) is unscorable, `upstream`: an outage is not a wrong answer.
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
