@@ -378,8 +378,8 @@ LEDGER_NAME = "rollouts.json"
 # One JSON line per finished rollout (train_rollouts.Ledger), beside the ledger and appended across starts: which task
 # ended how, and where its Harbor trial folder is (kept only for a failed rollout): what the counts cannot say when
 # diagnosing a run. ~300 bytes a rollout: ~5 MB for the recipe's ~16k rollouts. A line: task, outcome ("scored",
-# "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), error, trial,
-# trial_kept, at.
+# "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), budget_stops,
+# context_exhausted, cut_turns (how the proxy ended it), error, trial, trial_kept, at.
 ROLLOUT_LOG_NAME = "rollout_log.jsonl"
 # A later trainer start in the same folder first keeps the last start's ledger aside under this glob, its * the start's
 # number, 1, 2, ... in start order (keep_ledger_aside), so the smoke report sums every start's counts (kept_ledgers).
@@ -527,14 +527,14 @@ def yes_no(raw: str, var: str) -> bool:
                       f"or {var}=0 (or false, no, off)")
 
 
-def whole_number(raw: str, var: str, upper: int | None = None, why: str = "") -> int:
-    """A whole number in 1..upper (no upper bound when upper is None)."""
-    span = f"1..{upper}" if upper else "a whole number >= 1"
+def whole_number(raw: str, var: str, upper: int | None = None, why: str = "", lower: int = 1) -> int:
+    """A whole number in lower..upper (no upper bound when upper is None)."""
+    span = f"{lower}..{upper}" if upper else f"a whole number >= {lower}"
     try:
         value = int(raw.strip())
     except ValueError:
         raise ConfigError(f"{var}={raw!r} is not a whole number: use {span}") from None
-    if value < 1 or (upper is not None and value > upper):
+    if value < lower or (upper is not None and value > upper):
         raise ConfigError(f"{var}={value} is out of range: use {span}" + (f" ({why})" if why else ""))
     return value
 
@@ -618,7 +618,7 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
                                                why="one training task per step")),
     "SAVE_STEPS": (SAVE_STEPS, whole_number),
     "LEARNING_RATE": (LEARNING_RATE, positive_number),
-    "MAX_STALENESS": (MAX_STALENESS, whole_number),
+    "MAX_STALENESS": (MAX_STALENESS, functools.partial(whole_number, lower=0)),  # 0: the current version's only
     "WEIGHT_SYNC": (WEIGHT_SYNC_MODES[0], functools.partial(one_of, choices=WEIGHT_SYNC_MODES)),
     "STALL_MINUTES": (STALL_MINUTES, positive_number),
     "STALL_SECONDS": (_stall_seconds, whole_number),

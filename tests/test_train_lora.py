@@ -166,7 +166,7 @@ def test_dashboard_names_come_from_the_adapter_repo_and_the_job():
     ({"STOP_AFTER_STEP": "5", "MAX_STEPS": "5"}, "STOP_AFTER_STEP=5 must be 0 (off) or a step below MAX_STEPS=5"),
     ({"STOP_AFTER_STEP": "two"}, "STOP_AFTER_STEP='two' is not a whole number"),
     ({"LEARNING_RATE": "fast"}, "LEARNING_RATE='fast' is not a positive number"),
-    ({"MAX_STALENESS": "0"}, "MAX_STALENESS=0 is out of range"),
+    ({"MAX_STALENESS": "-1"}, "MAX_STALENESS=-1 is out of range: use a whole number >= 0"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(env, message, monkeypatch, capsys):
     with pytest.raises(recipe.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
