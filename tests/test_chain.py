@@ -343,7 +343,8 @@ def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):
     assert session.failure is None and session.timed_out and reward == 0.0
     assert len(trace.turns) >= 1  # the turns it made before the timeout are trained
     assert (ledger["rollouts"], ledger["scored"], ledger["timed_out"]) == (5, 1, 1)
-    assert ledger["unscorable"] == {"create": 0, "rollout": 3, "capture": 0, "empty_trace": 0, "verifier": 1}
+    assert ledger["unscorable"] == {"create": 0, "rollout": 3, "upstream": 0, "capture": 0, "empty_trace": 0,
+                                    "verifier": 1}
 
 
 OUTAGE_AGENT_TIMEOUT_S = 60.0
