@@ -94,20 +94,18 @@ MAX_TOOL_CALLING_ITERATIONS = 32
 # (one per `opencode run`), so the cap is the agent's budget plus that one call.
 OPENCODE_AUX_CALLS = 1
 AGENT_CALL_LIMIT = MAX_TOOL_CALLING_ITERATIONS + OPENCODE_AUX_CALLS
-# vLLM context: the whole 32-turn agent conversation must fit (LFM2.5 context length). The capture proxy sends every
-# call's max_tokens as MAX_TOKENS and vLLM reserves it, so the real prompt limit is MAX_MODEL_LEN - MAX_TOKENS = 28,672
-# tokens: a longer prompt is refused, the proxy ends the agent gracefully and the rollout is graded and trained as it
-# stands (train_rollouts logs it as `context_exhausted`, apart from `budget_stops` and `cut` turns).
+# vLLM context: the whole 32-turn agent conversation must fit (LFM2.5 context length). vLLM reserves the MAX_TOKENS the
+# proxy asks for, so a prompt over MAX_MODEL_LEN - MAX_TOKENS = 28,672 tokens is refused: the proxy ends the agent, the
+# rollout is graded and trained as it stands (train_rollouts logs it as `context_exhausted`).
 MAX_MODEL_LEN = 32768
 # Agent wall-clock limit per rollout. OpenEnv's client gives a rollout call 1800 s in all
 # (_ROLLOUT_TIMEOUT_S), sandbox boot and grading included: stay well under it.
 AGENT_TIMEOUT_SEC = 1500
 
 # --- Optimisation ------------------------------------------------------------
-# The recipe's (env LEARNING_RATE, launch.py --learning-rate). The lineage fine-tuned the full model at 3e-6. A LoRA
-# update is B @ A with B starting at zero, so each step moves the weights far less than a full fine-tune's step at
-# the same rate: LoRA is commonly run ~10x higher ("LoRA Without Regret", Schulman et al. 2025). Watch
-# `lora/update_norm` and the reward (docs/training.md) before raising it.
+# The recipe's (env LEARNING_RATE). The lineage fine-tuned the full model at 3e-6; a LoRA update B @ A starts at zero,
+# so a step moves the weights far less than a full fine-tune's at the same rate: LoRA is commonly run ~10x higher
+# ("LoRA Without Regret", Schulman et al. 2025). docs/training.md: what to watch before raising it.
 LEARNING_RATE = 1e-6
 # What a step trains: NUM_GENERATIONS training rows (train_lora.conv_safe_batching), and TRL 1.15 counts rows, not
 # rollouts. A rollout is one row while every turn's prompt extends the previous turn's tokens; a forked capture
@@ -293,8 +291,7 @@ SMOKE_WATCH_EXTRA_S = 3600
 # The token-weighted mean importance ratio of a step (`ratio/token_mean`). Its expectation is 1 for any sampler that
 # gives every token some probability (E_q[p/q] = 1), so staleness, a bf16 kernel gap or a stuck sync cannot move it;
 # truncated sampling can (top_p 0.99 puts it at ~0.990): the smoke run's median step outside this band (widened by
-# RATIO_TOLERANCE for bf16 serving) is NO-GO. Per-row means spread wider on a healthy run (at a per-token KL of
-# 1.8e-4, 0.9926-1.0067 for rows of 50 tokens) and are reported, not judged.
+# RATIO_TOLERANCE for bf16 serving) is NO-GO. Per-row means spread wider on a healthy run: reported, not judged.
 RATIO_MIN = 0.998
 RATIO_MAX = 1.0
 RATIO_TOLERANCE = 0.002
