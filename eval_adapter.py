@@ -253,6 +253,8 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
 def _cell_error(session: Rollout, result: Any) -> str:
     if result is None:
         return "rollout: " + str(getattr(session, "error", "") or "rollout call failed")[:300]
+    if count := recipe.upstream_errors(result):
+        return f"upstream: {count} model call(s) failed at the engine"
     if not getattr(result, "ok", False):
         return "rollout: " + str(getattr(result, "error", "") or "the env server reported the rollout failed")[:300]
     if result.reward is not None:

@@ -70,10 +70,10 @@ _TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 # Job knobs the launcher passes on when given (flag or environment variable), checked here by the same
 # recipe.knob check the job's own preflight runs; unset ones keep the job's recipe default.
 JOB_KNOBS: dict[str, tuple[str, ...]] = {
-    "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL"),
+    "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL", "LEARNING_RATE", "MAX_STALENESS"),
     # Not SAVE_STEPS, RESUME or FINAL_EVAL: the smoke plan fixes them (a stop after its first checkpoint, a resume,
     # an eval); its MAX_STEPS is the --max-steps flag of its own.
-    "smoke": ("WEIGHT_SYNC", "STALL_MINUTES"),
+    "smoke": ("WEIGHT_SYNC", "STALL_MINUTES", "LEARNING_RATE", "MAX_STALENESS"),
     "eval-watch": ("MAX_IDLE_HOURS", "EVAL_CONCURRENCY"),
     "eval": ("EVAL_CONCURRENCY",),
 }

@@ -71,8 +71,9 @@ def front_matter(data: Any) -> str:
     return f"---\n{data.to_yaml()}\n---\n"
 
 
-def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
-    """How it was trained, read from recipe.py (never retyped) and the run (its steps)."""
+def recipe_rows(checkpoint: str, steps: int | None, learning_rate: float | None = None) -> list[tuple[str, str]]:
+    """How it was trained, read from recipe.py (never retyped) and the run (its steps, and its learning rate where
+    the caller knows it)."""
     r = recipe
     pins = r.pinned_versions()
     stack = ", ".join(f"`{name}{pins[name]}`" for name in ("trl", "transformers", "peft", "openenv") if name in pins)
@@ -87,7 +88,9 @@ def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
         ("Optimizer step", f"{r.NUM_GENERATIONS} training rows: one GRPO group of {r.NUM_GENERATIONS} rollouts only "
                            "when each rollout is one row (the run's `rollout/samples_per_rollout` = 1); a rollout "
                            "whose capture forked is several rows, so its step trains part of a group"),
-        ("Learning rate", f"{r.LEARNING_RATE:g}"),
+        ("Learning rate", f"{learning_rate or r.LEARNING_RATE:g}{'' if learning_rate else ' (the recipe default)'}, "
+                          "constant; the recipe's lineage fine-tuned the full model at 3e-6, and LoRA is commonly run "
+                          "~10x higher than full fine-tuning since its update B @ A starts from zero"),
         ("Sampling", f"temperature {r.TEMPERATURE}, top_p {r.TOP_P}, top_k {r.TOP_K} (disabled): full vocabulary"),
         ("Output cap", f"{r.MAX_TOKENS} tokens per model call, same in training and eval"),
         ("Agent budget", f"{r.MAX_TOOL_CALLING_ITERATIONS} model calls per rollout"),
@@ -104,11 +107,12 @@ def recipe_rows(checkpoint: str, steps: int | None) -> list[tuple[str, str]]:
     ]
 
 
-def recipe_table(checkpoint: str, steps: int | None) -> list[str]:
-    return ["| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint, steps))]
+def recipe_table(checkpoint: str, steps: int | None, learning_rate: float | None = None) -> list[str]:
+    return ["| Knob | Value |", "|---|---|",
+            *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint, steps, learning_rate))]
 
 
-def training_card(adapter_repo: str, steps: int, dashboard_url: str | None) -> str:
+def training_card(adapter_repo: str, steps: int, dashboard_url: str | None, learning_rate: float | None = None) -> str:
     """README.md of the training repo: what it holds, where the run's curves are, how it was trained."""
     name = adapter_repo.split("/")[-1]
     where = (f"Training and eval curves: [Trackio dashboard]({dashboard_url}) (project `{name}`)." if dashboard_url
@@ -129,6 +133,6 @@ def training_card(adapter_repo: str, steps: int, dashboard_url: str | None) -> s
         "",
         "## How it was trained",
         "",
-        *recipe_table("final", steps),
+        *recipe_table("final", steps, learning_rate),
         "",
     ])

@@ -112,13 +112,18 @@ MAX_TOOL_CALLING_ITERATIONS = 32
 # (one per `opencode run`), so the cap is the agent's budget plus that one call.
 OPENCODE_AUX_CALLS = 1
 AGENT_CALL_LIMIT = MAX_TOOL_CALLING_ITERATIONS + OPENCODE_AUX_CALLS
-# vLLM context: the whole 32-turn agent conversation must fit (LFM2.5 context length).
+# vLLM context: the whole 32-turn agent conversation must fit (LFM2.5 context length). vLLM reserves the MAX_TOKENS the
+# proxy asks for, so a prompt over MAX_MODEL_LEN - MAX_TOKENS = 28,672 tokens is refused: the proxy ends the agent, the
+# rollout is graded and trained as it stands (train_rollouts logs it as `context_exhausted`).
 MAX_MODEL_LEN = 32768
 # Agent wall-clock limit per rollout. OpenEnv's client gives a rollout call 1800 s in all
 # (_ROLLOUT_TIMEOUT_S), sandbox boot and grading included: stay well under it.
 AGENT_TIMEOUT_SEC = 1500
 
 # --- Optimisation ------------------------------------------------------------
+# The recipe's (env LEARNING_RATE). The lineage fine-tuned the full model at 3e-6; a LoRA update B @ A starts at zero,
+# so a step moves the weights far less than a full fine-tune's at the same rate: LoRA is commonly run ~10x higher
+# ("LoRA Without Regret", Schulman et al. 2025). docs/training.md: what to watch before raising it.
 LEARNING_RATE = 1e-6
 # What a step trains: NUM_GENERATIONS training rows (train_lora.conv_safe_batching), and TRL 1.15 counts rows, not
 # rollouts. A rollout is one row while every turn's prompt extends the previous turn's tokens; a forked capture
@@ -151,12 +156,13 @@ MAX_INFLIGHT_ROLLOUTS = 32
 # batching). 24 trained 100% of them on all five distributions, with the recipe's batching too, at 24 steps/hour on
 # lognormal instead of 14 (41 h for 1,000 steps instead of 71).
 # The importance ratio: each token's ratio is pi_trainer / pi_sampled, pi_sampled being the policy vLLM sampled it
-# with, now up to 24 versions old (25 for a step's first sample: TRL checks it one fetch early). Under
-# full-vocabulary sampling its expectation is exactly 1 at any staleness (E_q[p/q] = 1), so the step mean TRL logs as
-# `ratio` and the band below (RATIO_MIN-RATIO_MAX, checked on it by smoke_report.ratio_band; the rehearsal's own band
-# is for its random model) keep their meaning: staleness widens the per-token spread (clip_ratio/*,
-# ratio/sample_min|max), which TRL's clipped objective bounds, not the mean.
+# with, now up to 24 versions old (25 for a step's first sample: TRL checks it one fetch early). Its expectation under
+# full-vocabulary sampling is 1 whatever the staleness (E_q[p/q] = 1), so no mean ratio can show staleness: what
+# staleness costs shows as `kl/old` and `clip_ratio/old` against their `fresh` (rows at most STALENESS_SPLIT versions
+# old, TRL's default max_staleness) and as `clip_ratio/unbounded_total` (train_metrics.py; docs/training.md says when
+# to lower this: env MAX_STALENESS).
 MAX_STALENESS = 24
+STALENESS_SPLIT = 4
 SAVE_STEPS = 100  # Checkpoint (and push) every 100 optimizer steps.
 # At most this many checkpoints a run (SAVE_STEPS >= MAX_STEPS / 20): each is a push of the adapter and optimizer state
 # (~0.5 GB, one commit) and an eval of EVAL_WATCH_TASKS tasks by the watcher; the recipe's run pushes 10.
@@ -164,7 +170,10 @@ MAX_CHECKPOINTS = 20
 
 # --- Reward ------------------------------------------------------------------
 # reward = CORRECT_REWARD * env_reward + TOOL_BONUS * max(0, (TOOL_BUDGET - tool_calls) / TOOL_BUDGET),
-# the bonus only on correct answers (so it cannot reward giving up).
+# the bonus only on correct answers (so it cannot reward giving up). TRL divides a group's rewards by their std, so the
+# bonus is not small where it is the only contrast: in an all-correct group of 8 where one rollout makes one more tool
+# call, that rollout's advantage is -2.6, as large as a lone right answer's +2.6 among wrong ones. That is the intended
+# contrast of all-correct groups (fewer calls for the same answer); `group/bonus_only_frac` logs how often it is all.
 CORRECT_REWARD = 1.0
 TOOL_BONUS = 0.1
 TOOL_BUDGET = MAX_TOOL_CALLING_ITERATIONS
@@ -330,11 +339,21 @@ SMOKE_EVAL_TASKS = 4
 # smoke job's, plus this for the waves after the smoke's final adapter lands (base, 4 checkpoints, final).
 SMOKE_WATCH_TASKS = 2
 SMOKE_WATCH_EXTRA_S = 3600
-# The importance ratio (trainer / vLLM probabilities, TRL's logged `ratio`) the recipe expects with full-vocabulary
-# sampling and bf16 serving; a step outside it means trainer and vLLM disagree on the policy: NO-GO.
+# The token-weighted mean importance ratio of a step (`ratio/token_mean`). Its expectation is 1 for any sampler that
+# gives every token some probability (E_q[p/q] = 1), so staleness, a bf16 kernel gap or a stuck sync cannot move it;
+# truncated sampling can (top_p 0.99 puts it at ~0.990): the smoke run's median step outside this band (widened by
+# RATIO_TOLERANCE for bf16 serving) is NO-GO. Per-row means spread wider on a healthy run: reported, not judged.
 RATIO_MIN = 0.998
 RATIO_MAX = 1.0
-RATIO_TOLERANCE = 0.002  # bf16 rounding of the served logprobs either side of the band, on a per-step mean.
+RATIO_TOLERANCE = 0.002
+# The ceiling on TRL's `kl` (k3: (r - 1) - log r, a mean of per-row means) for the smoke run's median step: trainer and
+# vLLM disagree on the policy (weights, template, dtype). 55x a healthy bf16-served run's 1.8e-4 (issue 41); at 0.01
+# the rms log-ratio is 0.14 = 0.7 eps, so a sixth of a Gaussian spread's tokens sit past TRL's clip. Truncation adds
+# only ~5e-5 (top_p 0.99): the ratio band above catches that.
+SMOKE_KL_MAX = 0.01
+# The smoke report warns (does not fail) when more than this share of the trained rows came from zero-contrast groups:
+# such a run mostly trains nothing (its tasks too hard or too easy for the policy).
+SMOKE_ZERO_CONTRAST_WARN = 0.5
 
 # Smoke stage budget, in seconds: each stage's typical time and its worst case, the longest the job's own limits let
 # it run before it fails anyway. The job's cap is the worst-case total plus SMOKE_MIN_MARGIN, rounded up to
@@ -407,8 +426,8 @@ LEDGER_NAME = "rollouts.json"
 # One JSON line per finished rollout (train_rollouts.Ledger), beside the ledger and appended across starts: which task
 # ended how, and where its Harbor trial folder is (kept only for a failed rollout): what the counts cannot say when
 # diagnosing a run. ~300 bytes a rollout: ~5 MB for the recipe's ~16k rollouts. A line: task, outcome ("scored",
-# "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), error, trial,
-# trial_kept, at.
+# "timed_out" or its unscorable class), reward (the verifier's grade; TRL's reward adds the tool bonus), budget_stops,
+# context_exhausted, cut_turns (how the proxy ended it), error, trial, trial_kept, at.
 ROLLOUT_LOG_NAME = "rollout_log.jsonl"
 # The last finished rollouts' trajectories (trajectories.trajectory), rewritten by the rollout child after each one;
 # each checkpoint push commits it as that checkpoint's sample. 8: one group's worth, ~100 KB each at most.
@@ -481,14 +500,26 @@ def graded_reward(result: Any) -> float | None:
     Harbor still grades a rollout whose agent timed out or exited non-zero, and OpenEnv then marks it `ok=False`
     (openenv/harbor/rollout.py, from Harbor's exception_info): that grade is what the policy did, so it counts. No
     reward (the verifier never ran or wrote none), or no agent turn reaching the model (the agent never started
-    or the proxy refused it: the verifier graded an untouched workspace) is no grade. `result` is OpenEnv's
+    or the proxy refused it: the verifier graded an untouched workspace) is no grade, nor is a rollout whose model
+    calls failed at the engine (upstream_errors: an outage is not the policy's answer). `result` is OpenEnv's
     HarborRolloutResult (read by attribute, so this module needs no openenv).
     """
     reward = getattr(result, "reward", None)
     turns = getattr(result, "turns", None) or []
-    if reward is None or not any(t.role == "agent" and not t.discarded for t in turns):
+    if reward is None or upstream_errors(result) or not any(t.role == "agent" and not t.discarded for t in turns):
         return None
     return float(reward)
+
+
+# openenv 0.10's capture proxy counts a rollout's model calls that failed at the engine (a 5xx, a reset: it answers
+# the agent 502) but its result does not carry the count: the env server adds it as this finding (seam_patch.py).
+UPSTREAM_FINDING = "[WARN] upstream_errors: "
+
+
+def upstream_errors(result: Any) -> int:
+    """How many of a rollout's model calls failed at the engine (UPSTREAM_FINDING in its findings; 0 if none)."""
+    found = [f for f in getattr(result, "findings", None) or [] if f.startswith(UPSTREAM_FINDING)]
+    return int(found[0][len(UPSTREAM_FINDING):].split()[0]) if found else 0
 
 
 # --- The job's pins ------------------------------------------------------------------
@@ -602,14 +633,14 @@ def yes_no(raw: str, var: str) -> bool:
                       f"or {var}=0 (or false, no, off)")
 
 
-def whole_number(raw: str, var: str, upper: int | None = None, why: str = "") -> int:
-    """A whole number in 1..upper (no upper bound when upper is None)."""
-    span = f"1..{upper}" if upper else "a whole number >= 1"
+def whole_number(raw: str, var: str, upper: int | None = None, why: str = "", lower: int = 1) -> int:
+    """A whole number in lower..upper (no upper bound when upper is None)."""
+    span = f"{lower}..{upper}" if upper else f"a whole number >= {lower}"
     try:
         value = int(raw.strip())
     except ValueError:
         raise ConfigError(f"{var}={raw!r} is not a whole number: use {span}") from None
-    if value < 1 or (upper is not None and value > upper):
+    if value < lower or (upper is not None and value > upper):
         raise ConfigError(f"{var}={value} is out of range: use {span}" + (f" ({why})" if why else ""))
     return value
 
@@ -712,6 +743,8 @@ ENV_KNOBS: dict[str, tuple[Any, Callable[[str, str], Any]]] = {
     "MAX_STEPS": (MAX_STEPS, functools.partial(whole_number, upper=TRAIN_MEDIUM + TRAIN_HARD,
                                                why="one training task per step")),
     "SAVE_STEPS": (SAVE_STEPS, whole_number),
+    "LEARNING_RATE": (LEARNING_RATE, positive_number),
+    "MAX_STALENESS": (MAX_STALENESS, functools.partial(whole_number, lower=0)),  # 0: the current version's only
     "WEIGHT_SYNC": (WEIGHT_SYNC_MODES[0], functools.partial(one_of, choices=WEIGHT_SYNC_MODES)),
     "STALL_MINUTES": (STALL_MINUTES, functools.partial(
         positive_number, lower=STALL_MINUTES_MIN, upper=hours(TRAIN_TIMEOUT) * 60,

@@ -10,7 +10,8 @@
 #   ADAPTER_REPO             required: owner/name of the adapter repo checkpoints are pushed to.
 #   HF_TOKEN                 required (job secret); never printed.
 #   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the recipe's ~40-minute smoke).  SAVE_STEPS=<SAVE_STEPS>
-#   RESUME=1  WEIGHT_SYNC=merge_free   passed to train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
+#   RESUME=1  WEIGHT_SYNC=merge_free  LEARNING_RATE=<LEARNING_RATE>  MAX_STALENESS=<MAX_STALENESS>   passed to
+#                            train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
 #   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).  REPORT_TO=<REPORT_TO>
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   WORK_DIR=/tmp/lfm-job    tasks, trainer output and recipe.py's work-folder files: heartbeat, train_log.json,
@@ -58,7 +59,8 @@ read_knobs() {
     local plan_save="${SMOKE_PLAN#*SAVE_STEPS=}" plan_eval="${SMOKE_PLAN##*EVAL_TASKS=}"
     export SAVE_STEPS="${SAVE_STEPS:-${plan_save%% *}}" EVAL_TASKS="${EVAL_TASKS:-$plan_eval}"
   fi
-  job_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL
+  job_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL LEARNING_RATE \
+    MAX_STALENESS
   WORK_DIR="${WORK_DIR:-/tmp/lfm-job}"; TASKS_DIR="$WORK_DIR/tasks"; OUTPUT_DIR="$WORK_DIR/output"
   HEARTBEAT_FILE="$WORK_DIR/$(recipe HEARTBEAT_NAME)"; STAGES_FILE=""  # the trainer's records land beside it
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
@@ -177,7 +179,7 @@ run_trainer() {
   local -a vars=(CUDA_VISIBLE_DEVICES="$TRAINER_GPU" ADAPTER_REPO="$ADAPTER_REPO" MAX_STEPS="$MAX_STEPS"
     SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
     OUTPUT_DIR="$output" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
-    SANDBOX="$SANDBOX" DEBUG=1 "$@")
+    LEARNING_RATE="$LEARNING_RATE" MAX_STALENESS="$MAX_STALENESS" SANDBOX="$SANDBOX" DEBUG=1 "$@")
   launch "$name" env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
   if dry_run; then
     echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, $name and the heartbeat age" \

@@ -8,7 +8,9 @@ next to the `apiKey` it already sets (kept: where nothing strips it, the Bearer 
 the session too). No installed file is edited; the env server is started through this module so the
 patch lives in the process that resolves seams. The same process also gets each backend's sandbox lifetime
 (sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments, and, for
-SANDBOX=daytona|e2b, Harbor's own preflight() of that backend (its key) and a check that its SDK is installed.
+SANDBOX=daytona|e2b, Harbor's own preflight() of that backend (its key) and a check that its SDK is installed. It also
+reports in each rollout's result how many of its model calls failed at the engine (the capture proxy counts them in
+the same process, openenv 0.10's result leaves them out: recipe.UPSTREAM_FINDING).
 
     python3 seam_patch.py check                                  # apply + verify, one line each
     python3 seam_patch.py serve -- harbor serve --llm-url ...    # apply, verify, run `openenv ...`
@@ -77,6 +79,31 @@ def apply() -> bool:
     return True
 
 
+def _with_upstream_errors(export: Any) -> Any:
+    """Wrap the export run_rollout takes a finished rollout's capture with, so its findings (which run_rollout copies
+    into the result) also say how many of its model calls failed at the engine."""
+
+    def export_session(session: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        document = export(session, *args, **kwargs)
+        if errors := int(getattr(session, "upstream_errors", 0)):
+            note = f"{recipe.UPSTREAM_FINDING}{errors} model call(s) failed at the engine"
+            document["validation"] = [*document.get("validation", []), note]
+        return document
+
+    setattr(export_session, _PATCHED, True)
+    return export_session
+
+
+def apply_upstream_report() -> bool:
+    """Patch openenv.harbor.rollout's export_session in this process. Returns True if it changed something."""
+    from openenv.harbor import rollout
+
+    if getattr(rollout.export_session, _PATCHED, False):
+        return False
+    rollout.export_session = _with_upstream_errors(rollout.export_session)
+    return True
+
+
 def verify() -> dict[str, Any]:
     """Resolve the opencode seam the way a rollout does and check both keys carry the session."""
     probe = "probe-session"
@@ -105,12 +132,14 @@ def main(argv: list[str] | None = None) -> None:
 
             EnvironmentFactory.run_preflight(EnvironmentType(sandbox))  # SystemExit with Harbor's line
         lifetime = sandbox_lifecycle.verify_lifetime(sandbox)
+        apply_upstream_report()
     except (SeamShapeError, sandbox_lifecycle.LifecycleShapeError, recipe.ConfigError) as exc:
         sys.exit(f"seam_patch: {exc}")
     except SystemExit as exc:
         sys.exit(f"seam_patch: Harbor's {sandbox} preflight: {exc.code}")
     print(f"seam_patch: {HARNESS} seam sends the capture session as apiKey and {HEADER}", flush=True)
     print(f"seam_patch: {lifetime}", flush=True)
+    print("seam_patch: each rollout's result counts its model calls that failed at the engine", flush=True)
     if args.action == "serve":
         rest = args.openenv_args[1:] if args.openenv_args[:1] == ["--"] else args.openenv_args
         from openenv.cli.__main__ import main as openenv_main

@@ -36,6 +36,8 @@ SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
 # trained groups, each counted since the previous logged step.
 STALE_KEY, SAMPLES_KEY, GROUPS_KEY = "sample/dropped_stale_total", "batch/samples_per_step", "batch/groups_per_step"
 VERSIONED = ("vllm", "torch", "trl", "transformers", "peft", "openenv", "harbor")
+# train_rollouts' counts of rollouts the proxy ended (its ENDS, without importing the trainer's modules).
+ENDS = ("budget_stopped", "context_exhausted", "cut")
 
 
 def duration(total_s: int) -> str:
@@ -183,30 +185,45 @@ def _values(logs: list[dict[str, Any]], key: str) -> list[float]:
 
 
 def ratio_band(expect: dict[str, Any]) -> tuple[float, float]:
-    """The importance-ratio band a run must stay in: the recipe's 0.998-1.0 with bf16's tolerance either side,
-    unless `expect` names another (the CPU rehearsal's tiny random model is not the real one)."""
+    """The band a run's median step token-weighted ratio must stay in: the recipe's 0.998-1.0 with bf16's tolerance
+    either side, unless `expect` names another (the CPU rehearsal's tiny random model is not the real one)."""
     tolerance = recipe.RATIO_TOLERANCE
     low, high = expect.get("ratio") or (recipe.RATIO_MIN - tolerance, recipe.RATIO_MAX + tolerance)
     return float(low), float(high)
 
 
+def _spread(values: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
+
+
 def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
-    """Steps, step time, importance ratio, sync time and fused tensors from train_log.json: TRL's metrics and
-    train_metrics' (`ratio/sample_min|max`, the per-sample range; TRL's step mean `ratio` where those are missing)."""
+    """What the steps in train_log.json say (TRL's metrics and train_metrics'): steps, step and sync time, the
+    importance ratio (token-weighted per step, judged; per-row extremes, reported), TRL's `kl`, the staleness split,
+    the LoRA's movement, the groups' contrast, and the pipeline's stale drops and forks."""
     logs = [e for e in (train_log or {}).get("logs", []) if "loss" in e or "ratio" in e]
     low, high = _values(logs, "ratio/sample_min"), _values(logs, "ratio/sample_max")
-    if not (low and high):
-        low = high = _values(logs, "ratio")
     step_s = _values(logs, "perf/step_s")
     sync_ms = [v * 1000 for v in _values(logs, "perf/weight_sync_s")]
     fused = _values(logs, "perf/weight_sync_fused_tensors")
     fork = _values(logs, "rollout/fork_frac")
     # TRL's own per-step counts: samples it dropped as stale (logged only on a step that dropped some) and trained.
     dropped, trained = sum(_values(logs, STALE_KEY)), sum(_values(logs, SAMPLES_KEY))
+
+    def mean(key: str) -> float | None:
+        return statistics.fmean(v) if (v := _values(logs, key)) else None
+
     return {
         "steps_done": max((int(e["step"]) for e in logs), default=0),
         "step_s": {"median": statistics.median(step_s), "max": max(step_s)} if step_s else None,
+        "ratio_token": _spread(_values(logs, "ratio/token_mean")),
         "ratio": {"min": min(low), "max": max(high)} if low and high else None,
+        "kl": _spread(_values(logs, "kl")),
+        "by_age": {f"{kind}_{age}": mean(f"{kind}/{age}") for kind in ("kl", "clip_ratio") for age in ("fresh", "old")},
+        "unbounded_tokens": sum(_values(logs, "clip_ratio/unbounded_total")),
+        "lora_update": mean("lora/update_norm"), "lora_b_norm": (_values(logs, "lora/b_norm") or [None])[-1],
+        "learning_rate": (_values(logs, "learning_rate") or [None])[-1],
+        "groups": {"zero_contrast": mean("group/zero_contrast_frac"), "bonus_only": mean("group/bonus_only_frac"),
+                   "zero_advantage": mean("sample/zero_advantage_frac")},
         "sync_ms": {"median": statistics.median(sync_ms), "max": max(sync_ms)} if sync_ms else None,
         # Tensors the last sync sent through the checked fused kernel (0: cuBLAS's path only, e.g. on CPU).
         "fused_tensors": int(fused[-1]) if fused else None,
@@ -308,13 +325,7 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     train = report["training"]
     if train["steps_done"] < expect["steps"]:
         reasons.append(f"{train['steps_done']} of {expect['steps']} steps done")
-    ratio = train["ratio"]
-    low, high = ratio_band(expect)
-    if ratio is None:
-        reasons.append("no importance ratio logged: no step trained")
-    elif ratio["min"] < low or ratio["max"] > high:
-        reasons.append(f"importance ratio {ratio['min']:.4f}-{ratio['max']:.4f} outside {low:.4f}-{high:.4f}: "
-                       "trainer and vLLM disagree on the policy (sampling, dtype or weight sync)")
+    reasons += policy_reasons(train, expect)
     verified = {c["step"] for c in report["checkpoints"] if c["verified"]}
     for c in report["checkpoints"]:
         if not c["verified"]:
@@ -346,7 +357,33 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
 def limits(expect: dict[str, Any]) -> dict[str, float]:
     """The verdict's limits: recipe.py's, unless `expect` names others (the rehearsal injects faults on purpose)."""
     return {"unscorable": recipe.SMOKE_MAX_UNSCORABLE, "stale": recipe.SMOKE_MAX_STALE, "fork": recipe.SMOKE_MAX_FORK,
-            "setup_s": recipe.ROLLOUT_SETUP_BUDGET_S, **(expect.get("limits") or {})}
+            "setup_s": recipe.ROLLOUT_SETUP_BUDGET_S, "kl": recipe.SMOKE_KL_MAX, **(expect.get("limits") or {})}
+
+
+def policy_reasons(train: dict[str, Any], expect: dict[str, Any]) -> list[str]:
+    """Whether trainer and vLLM hold the same policy: the median step's token-weighted ratio in its band (truncated
+    sampling moves it, nothing else can: recipe.RATIO_MIN) and its `kl` under the ceiling (recipe.SMOKE_KL_MAX)."""
+    ratio, kl, (low, high), ceiling = train["ratio_token"], train["kl"], ratio_band(expect), limits(expect)["kl"]
+    if ratio is None or kl is None:
+        return ["no importance ratio or kl logged (ratio/token_mean, kl): no step trained"]
+    reasons = []
+    if not low <= ratio["median"] <= high:
+        reasons.append(f"token-weighted importance ratio {ratio['median']:.4f} (median step; steps {ratio['min']:.4f}-"
+                       f"{ratio['max']:.4f}) outside {low:.4f}-{high:.4f}: vLLM samples from a truncated distribution "
+                       "(top_p, top_k or min_p; serve with --generation-config vllm)")
+    if kl["median"] > ceiling:
+        reasons.append(f"kl {kl['median']:.2g} (median step; max {kl['max']:.2g}) over the {ceiling:g} ceiling: "
+                       "trainer and vLLM disagree on the policy (weights after a sync, chat template, dtype)")
+    return reasons
+
+
+def warnings(train: dict[str, Any]) -> list[str]:
+    """What a user should know before the long run but that does not stop it."""
+    flat = train["groups"]["zero_contrast"]
+    if flat is not None and flat > recipe.SMOKE_ZERO_CONTRAST_WARN:
+        return [f"{flat:.0%} of the trained rows came from zero-contrast groups (every reward equal: the step trains "
+                "nothing from them): the tasks are too hard or too easy for the policy as it stands"]
+    return []
 
 
 def resume_position(report: dict[str, Any], at: int) -> list[str]:
@@ -423,7 +460,7 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
         "stages": [{**s, "budget_s": budgets.get(s["stage"])} for s in stages],
         "training": training(train_log),
         "rollouts": None if ledger is None else {k: ledger.get(k) for k in (
-            "rollouts", "scored", "timed_out", "unscorable", "unscorable_total", "timing", "stopped")},
+            "rollouts", "scored", "timed_out", *ENDS, "unscorable", "unscorable_total", "timing", "stopped")},
         "checkpoints": checkpoints,
         "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
         "eval": evaluation(eval_doc),
@@ -432,8 +469,10 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
     }
     report["training"]["fork_frac_logged"] = report["training"]["fork_frac"] is not None
     report["training"]["ratio_band"] = list(ratio_band(expect))
+    report["training"]["kl_ceiling"] = limits(expect)["kl"]
     reasons = assess(report, expect)
     report["verdict"], report["reasons"] = ("NO-GO" if reasons else "GO"), reasons
+    report["warnings"] = warnings(report["training"])
     return report
 
 
@@ -448,7 +487,11 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['stage']:<11} {s['seconds']:>5} s"
                      f" (budget {num(s['budget_s'])} s)  {s['note'][:40]}")
     step_s, sync = t["step_s"] or {}, t["sync_ms"] or {}
-    ratio, fused = t["ratio"], t["fused_tensors"]
+    fused, token, row, kl, age, groups = (t["fused_tensors"], t["ratio_token"] or {}, t["ratio"] or {}, t["kl"] or {},
+                                          t["by_age"], t["groups"])
+
+    def pct(value: float | None) -> str:
+        return "-" if value is None else f"{value:.1%}"
     lines += [
         f"  steps {t['steps_done']}/{report['expect']['steps']}; step time median {num(step_s.get('median'), '.1f')} s,"
         f" max {num(step_s.get('max'), '.1f')} s",
@@ -457,9 +500,20 @@ def render(report: dict[str, Any]) -> str:
         f"  trained {num(t['samples_trained'])} samples, {num(t['dropped_stale'])} dropped stale (stale "
         f"{num(t['stale_frac'], '.1%') if t['stale_frac'] is not None else '-'}); fork_frac "
         f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}",
-        f"  importance ratio {num(ratio and ratio['min'], '.4f')}-{num(ratio and ratio['max'], '.4f')} (band "
-        f"{t['ratio_band'][0]:.4f}-{t['ratio_band'][1]:.4f}); sync median {num(sync.get('median'), '.1f')} ms, max "
-        f"{num(sync.get('max'), '.1f')} ms; fused tensors {num(fused)}",
+        f"  importance ratio, token-weighted: median step {num(token.get('median'), '.4f')} (steps "
+        f"{num(token.get('min'), '.4f')}-{num(token.get('max'), '.4f')}; band {t['ratio_band'][0]:.4f}-"
+        f"{t['ratio_band'][1]:.4f}); per-row means {num(row.get('min'), '.4f')}-{num(row.get('max'), '.4f')} "
+        "(not judged)",
+        f"  kl median step {num(kl.get('median'), '.2g')}, max {num(kl.get('max'), '.2g')} (ceiling "
+        f"{t['kl_ceiling']:g}); by age (fresh/old): kl {num(age['kl_fresh'], '.2g')}/{num(age['kl_old'], '.2g')}, "
+        f"clipped {pct(age['clip_ratio_fresh'])}/{pct(age['clip_ratio_old'])}; unbounded tokens "
+        f"{num(t['unbounded_tokens'])}",
+        f"  LoRA: update {num(t['lora_update'], '.2g')}/step, |B| {num(t['lora_b_norm'], '.2g')}, learning rate "
+        f"{num(t['learning_rate'], 'g')}; rows from zero-contrast groups {pct(groups['zero_contrast'])}, zero "
+        f"advantage {pct(groups['zero_advantage'])}, bonus-only contrast {pct(groups['bonus_only'])}",
+        f"  sync median {num(sync.get('median'), '.1f')} ms, max {num(sync.get('max'), '.1f')} ms; fused tensors "
+        f"{num(fused)}; rollouts ended by the call budget {num(r.get('budget_stopped'))}, the context "
+        f"{num(r.get('context_exhausted'))}, a cut at the output cap {num(r.get('cut'))}",
         setup_line(r.get("timing")),
         "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])
         + "; resume " + (report["resume"].get("why") or "not part of this run"),
@@ -474,6 +528,7 @@ def render(report: dict[str, Any]) -> str:
     v = report["versions"]
     lines.append("  " + ", ".join(f"{k} {v[k] or '-'}" for k in VERSIONED))
     lines.append(f"  Harbor sessions: fetch_training_trace {'present' if v['fetch_training_trace'] else 'ABSENT'}")
+    lines += [f"  WARN: {warning}" for warning in report["warnings"]]
     lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]
     lines.append("=" * 78)
     return "\n".join(lines)
@@ -539,7 +594,7 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
     if not ledgers:
         return None
     total: dict[str, Any] = {k: sum(d.get(k) or 0 for d in ledgers)
-                             for k in ("rollouts", "scored", "timed_out", "unscorable_total")}
+                             for k in ("rollouts", "scored", "timed_out", *ENDS, "unscorable_total")}
     classes = dict.fromkeys(c for d in ledgers for c in d.get("unscorable") or {})  # the guard's, in its order
     total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers) for c in classes}
     timings = [d.get("timing") or {} for d in ledgers]

@@ -61,6 +61,8 @@ class Settings:
     served_model_name: str = recipe.SERVED_MODEL_NAME
     max_steps: int = recipe.MAX_STEPS
     save_steps: int = recipe.SAVE_STEPS
+    learning_rate: float = recipe.LEARNING_RATE
+    max_staleness: int = recipe.MAX_STALENESS
     vllm_url: str = f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"
     env_url: str = f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"
     capture_url: str = ""
@@ -128,6 +130,8 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         served_model_name=env.get("SERVED_MODEL_NAME", "").strip() or recipe.SERVED_MODEL_NAME,
         max_steps=max_steps,
         save_steps=recipe.knob("SAVE_STEPS", env),
+        learning_rate=recipe.knob("LEARNING_RATE", env),
+        max_staleness=recipe.knob("MAX_STALENESS", env),
         vllm_url=_url(env, "VLLM_URL", Settings.vllm_url),
         env_url=_url(env, "ENV_URL", Settings.env_url),
         capture_url=capture_url,
@@ -192,8 +196,8 @@ def conv_safe_batching() -> dict[str, int]:
     package honours it, and TRL never passes it), so the first tokens of each sample would read the
     tail of the previous one. `token_budget=0` selects TRL's fixed-count batcher, and one sample per
     device batch makes each row a single sample; gradient accumulation keeps one GRPO group per step.
-    Cost: one forward per sample, and TRL normalises each row's loss by its own token count, so the step
-    averages per sample rather than over all of the group's tokens.
+    Cost: one forward per sample. TRL would divide each row's loss by its own tokens (a 150-token answer's
+    tokens pushed 50x harder than an 8,000-token trace's); train_metrics.StepObjective divides by the step's.
     """
     return {
         "token_budget": 0,
@@ -227,7 +231,7 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
         model_init_kwargs=model_init_kwargs(settings),
         use_cpu=settings.device == "cpu",
         bf16=settings.device == "cuda",
-        learning_rate=recipe.LEARNING_RATE,
+        learning_rate=settings.learning_rate,
         max_steps=settings.max_steps,
         save_strategy="steps",
         save_steps=settings.save_steps,
@@ -237,7 +241,7 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
         top_p=recipe.TOP_P,
         top_k=recipe.TOP_K,
         max_tool_calling_iterations=recipe.MAX_TOOL_CALLING_ITERATIONS,
-        max_staleness=recipe.MAX_STALENESS,
+        max_staleness=settings.max_staleness,
         # Set here, not left at -1 (auto): the injected worker gets nothing from the config, so both sides
         # must read the same number (recipe.py says why this one, from benchmarks/rollout_pipeline.py).
         max_inflight_tasks=recipe.MAX_INFLIGHT_ROLLOUTS,
@@ -256,7 +260,8 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
 
 # --- 3. Reward --------------------------------------------------------------------------------------------------------
 def reward(outcome: HarnessRolloutOutcome) -> float | None:
-    """Correctness plus a tool-efficiency bonus that only a correct answer earns.
+    """Correctness plus a tool-efficiency bonus that only a correct answer earns (recipe.py's Reward note: what
+    the bonus weighs once TRL normalises a group's rewards by their std).
 
     `None` when the verifier did not run: TRL then leaves the rollout out of the group baseline instead
     of learning that a crashed sandbox is as bad as a wrong answer.
@@ -427,7 +432,8 @@ def build_trainer(
     dataset = train_dataset(factory, settings.task_data)
     tokenizer = load_tokenizer(settings)
     worker = rollout_worker(settings, tokenizer, dataset, factory)
-    trainer_cls = train_resume.positioned(train_weight_sync.trainer_class(settings.weight_sync))
+    trainer_cls = train_resume.positioned(
+        train_resume.mixed(train_metrics.StepObjective, train_weight_sync.trainer_class(settings.weight_sync)))
     callbacks = [
         train_callbacks.Heartbeat(settings.heartbeat_file),
         train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo,
@@ -497,7 +503,8 @@ def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int
     written)."""
     import model_cards
 
-    (final_dir / "README.md").write_text(model_cards.training_card(settings.adapter_repo, steps, dashboard_url))
+    (final_dir / "README.md").write_text(model_cards.training_card(settings.adapter_repo, steps, dashboard_url,
+                                                                   settings.learning_rate))
     adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
 
 
@@ -541,8 +548,6 @@ def resolved_config(settings: Settings) -> dict[str, Any]:
         },
         "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS,
         "num_generations": recipe.NUM_GENERATIONS,
-        "learning_rate": recipe.LEARNING_RATE,
-        "max_staleness": recipe.MAX_STALENESS,
         "batching": conv_safe_batching(),
         "reward": {
             "correct": recipe.CORRECT_REWARD,

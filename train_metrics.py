@@ -1,18 +1,11 @@
-"""The training metrics this recipe needs beyond TRL 1.15's own, and the fail-safe Trackio callback.
+"""What one optimizer step optimises and logs on top of TRL 1.15 (docs/training.md "Reading the dashboard" reads it).
 
-TRL already logs, per optimizer step: `reward`, `kl`, `entropy`, `ratio` (importance-ratio mean), clip ratios,
-`perf/weight_sync_s`, `perf/step_s`, `sample/staleness_mean|max`, `sample/time_in_queue_s`, `rollout/fork_frac`,
-`tools/call_frequency` (groups with tool calls only), and rollout traces when Trackio is the reporter. The rollout
-counts (`rollout/finished_total`, `rollout/unscorable_total`, `rollout/timed_out_total`, `rollout/forked_total`,
-`rollout/tool_calls_mean`) are the rollout guard's ledger (train_rollouts.LedgerGrowth), logged each step by
-RolloutCounts. Added here:
-
-- `ratio/sample_min`, `ratio/sample_max`: the range of the per-sample importance-ratio means of the step (one
-  sample per training row, see train_lora.conv_safe_batching);
-- `perf/weight_sync_fused_tensors` is logged by train_weight_sync.MergeFreeAsyncGRPOTrainer itself;
-- `sample/forked_frac` (FORKED_FRAC): the share of the step's trained samples whose rollout forked;
-- `sample/dropped_stale_total` on every step: TRL logs its count of samples dropped as too stale only on steps that
-  dropped one (StaleDrops adds the zero), so a step without the key is never mistaken for a step without data.
+StepObjective (mixed into the trainer class) makes the loss token-level over the step's rows: TRL divides each
+micro-batch's summed token loss by that micro-batch's tokens, and with one sample per row (train_lora.
+conv_safe_batching) that weighs a short row's tokens far above a long one's; here every micro-batch is told the step's
+tokens. Per step it logs the token-weighted ratio, per-row ratio extremes, kl and clipping by staleness, unbounded
+tokens, the LoRA's movement, the stale-drop count on every step and the rollout ledger's growth. RecipeRolloutLoop (the
+rollout child) stamps each row with whether its rollout forked and its group's contrast, and its policy version.
 """
 
 from __future__ import annotations
@@ -23,82 +16,144 @@ import os
 from pathlib import Path
 from typing import Any
 
-from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments
+import torch
+from transformers import TrainerState, TrainingArguments
 from transformers.integrations import TrackioCallback
 from transformers.integrations.integration_utils import rewrite_logs
 from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, RolloutSample
 from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
 
 import dashboard
+import recipe
 import train_rollouts
 
-# Per sample: 1.0 if the rollout it came from forked into several training rows (lossless capture), else 0.0. TRL's
-# collator averages per-sample metrics over each micro-batch, so the step's log holds the share of its trained samples
-# that are parts of a forked rollout: on every step, unlike TRL's `rollout/fork_frac` (forks per turn transition of the
-# rollouts that finished in the window, absent when none did).
 FORKED_FRAC = "sample/forked_frac"
+DROPPED_STALE = "sample/dropped_stale_total"  # TRL's counter of samples dropped as more than max_staleness old
+ZERO_CONTRAST, BONUS_ONLY, ZERO_ADVANTAGE = "group/zero_contrast_frac", "group/bonus_only_frac", \
+    "sample/zero_advantage_frac"
+# A sample's policy version, carried from the rollout child to the loss (popped before TRL's collator logs metrics).
+VERSION = "_policy_version"
+
+
+def group_flags(rewards: list[float | None]) -> dict[str, float]:
+    """Whether a group's scored rewards are all equal (no contrast), or differ only by the tool bonus (every scored
+    rollout equally right or wrong: recipe.py's Reward note says why that still trains)."""
+    scored = [r for r in rewards if r is not None]
+    correct = {r >= recipe.CORRECT_REWARD for r in scored}
+    flat = len(set(scored)) <= 1
+    return {ZERO_CONTRAST: float(flat), BONUS_ONLY: float(not flat and len(correct) == 1)}
 
 
 class RecipeRolloutLoop(_HarnessRolloutLoop):
-    """TRL's harness loop; each sample it scores also says whether its rollout's capture forked (FORKED_FRAC)."""
+    """TRL's harness loop; each sample it scores also carries the per-row facts above and its policy version."""
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
         samples = await super()._score_group(group)
         forked = [float(len(rows) > 1) for rows in group.completions_sequences for _ in rows]  # TRL's sample order
+        flags = group_flags(list(group.rollout_rewards))
         for sample, flag in zip(samples, forked, strict=True):
-            sample.metrics[FORKED_FRAC] = flag
+            sample.metrics.update({**flags, FORKED_FRAC: flag, ZERO_ADVANTAGE: float(sample.advantage == 0.0),
+                                   VERSION: float(sample.model_version)})
         return samples
 
 
 class RecipeRolloutWorker(HarnessRolloutWorker):
-    """HarnessRolloutWorker whose spawned loop marks forked samples (RecipeRolloutLoop)."""
+    """HarnessRolloutWorker whose spawned loop is RecipeRolloutLoop."""
 
     _loop_cls = RecipeRolloutLoop
 
 
-class RatioRange(TrainerCallback):
-    """Adds the step's min and max per-sample importance ratio next to TRL's mean, before the step is logged."""
+class _Versioned:
+    """TRL's collator, plus each row's policy version (its oldest sample's) as a tensor that travels with the batch."""
 
-    def __init__(self, sink: dict[str, list[Any]]) -> None:
-        self.sink = sink  # the trainer's own metric sink (TRL reduces it in log(); `min`/`max` names are extrema)
-        self.seen = 0
+    def __init__(self, collate: Any) -> None:
+        self.collate = collate
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        ratios = [r for r in self.sink.get("ratio", [])[self.seen:] if not math.isnan(r)]
-        self.seen = len(self.sink.get("ratio", []))
-        if ratios:
-            self.sink["ratio/sample_min"].append(min(ratios))
-            self.sink["ratio/sample_max"].append(max(ratios))
-
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.seen = 0  # TRL clears the sink right after this log
+    def __call__(self, examples: list[Any]) -> dict[str, Any]:
+        (rows,) = examples
+        versions = [min(sample["metrics"].pop(VERSION, math.nan) for sample in row) for row in rows]
+        return {**self.collate(examples), VERSION: torch.tensor(versions)}
 
 
-class RolloutCounts(TrainerCallback):
-    """Adds, before each step is logged, what the rollout ledger counted since the previous step (LedgerGrowth)."""
+class _Seen:
+    """The model as TRL's compute_loss calls it, keeping the outputs (the per-token log-probs) for the step's stats."""
 
-    def __init__(self, sink: dict[str, list[Any]], ledger_file: str | Path) -> None:
-        self.sink = sink  # the trainer's metric sink: `total` counters summed, the tool-call rate as (num, den)
-        self.growth = train_rollouts.LedgerGrowth(ledger_file)
+    def __init__(self, model: Any) -> None:
+        self.model, self.outputs = model, None
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        for metric, value in self.growth.take().items():
-            self.sink[metric].append(value)
-
-
-# TRL 1.15's counter (RolloutQueueDataset): +1 per training sample (row) the trainer pulled and dropped for being more
-# than max_staleness versions old; summed per logging window (`total` in the name), i.e. since the last step.
-DROPPED_STALE = "sample/dropped_stale_total"
+    def __call__(self, **kwargs: Any) -> Any:
+        self.outputs = self.model(**kwargs)
+        return self.outputs
 
 
-class StaleDrops(TrainerCallback):
-    """Makes every step's log carry TRL's stale-drop count: a 0 added to the step's sum, which TRL then reduces."""
+class StepObjective:
+    """Mixed in before an AsyncGRPOTrainer class (train_resume.mixed): the token-level step and its metrics."""
 
-    def __init__(self, sink: dict[str, list[Any]]) -> None:
-        self.sink = sink
+    _growth: train_rollouts.LedgerGrowth | None = None  # set by attach()
+    _lora_before: list[torch.Tensor] | None = None
 
-    def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.sink[DROPPED_STALE].append(0.0)
+    def get_train_dataloader(self) -> Any:
+        loader = super().get_train_dataloader()
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's dispatcher wraps torch's loader
+        if not isinstance(base.collate_fn, _Versioned):
+            base.collate_fn = _Versioned(base.collate_fn)
+        return loader
+
+    def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
+        """The step's micro-batches, each told the step's mean tokens per micro-batch as its `global_n_tokens`: TRL
+        divides a micro-batch's summed token loss by that and then by their number, i.e. by the step's tokens."""
+        batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if batches:
+            mean = sum(float(b["global_n_tokens"][0]) for b in batches) / len(batches)
+            for batch in batches:
+                batch["global_n_tokens"] = torch.full_like(batch["global_n_tokens"], mean)
+        self._lora_before = [p.detach().clone() for p in self._lora()]
+        return batches, items
+
+    def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
+                     num_items_in_batch: Any = None) -> Any:
+        version = inputs.pop(VERSION, None)
+        seen = _Seen(model)
+        loss = super().compute_loss(seen, inputs, return_outputs, num_items_in_batch)
+        with torch.no_grad():
+            self._row_stats(inputs, seen.outputs.log_probs[0].float(), version)
+        return loss
+
+    def _row_stats(self, inputs: dict[str, Any], log_probs: torch.Tensor, version: torch.Tensor | None) -> None:
+        """This row's ratio, kl and clip counts, as TRL computes them (its loss strips the padding the same way)."""
+        keep = inputs["attention_mask"][0].bool()
+        mask = inputs["completion_mask"][0][keep][1:].bool()
+        log_ratio = (log_probs - inputs["old_log_probs"][0][keep][1:])[mask]
+        advantage, ratio, n = inputs["advantages"][0][keep][1:][mask], log_ratio.exp(), float(mask.sum())
+        if not n:
+            return
+        sink, high = self._metrics["train"], ratio > 1 + self.epsilon_high
+        clipped = ((ratio < 1 - self.epsilon_low) & (advantage < 0)) | (high & (advantage > 0))
+        sink["ratio/token_mean"].append((float(ratio.sum()), n))
+        sink["ratio/sample_min"].append(float(ratio.mean()))
+        sink["ratio/sample_max"].append(float(ratio.mean()))
+        sink["clip_ratio/unbounded_total"].append(float((high & (advantage < 0)).sum()))
+        if version is not None and not math.isnan(float(version[0])):
+            age = "fresh" if self.model_version - float(version[0]) <= recipe.STALENESS_SPLIT else "old"
+            sink[f"kl/{age}"].append((float((ratio - 1 - log_ratio).sum()), n))
+            sink[f"clip_ratio/{age}"].append((float(clipped.sum()), n))
+
+    def _lora(self) -> list[torch.Tensor]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def _log_step_metrics(self) -> None:
+        super()._log_step_metrics()
+        sink = self._metrics["train"]
+        sink[DROPPED_STALE].append(0.0)  # a 0 added to TRL's sum, so every step carries the count
+        for metric, value in (self._growth.take() if self._growth else {}).items():
+            sink[metric].append(value)
+        if self._lora_before is not None:
+            moved = sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(self._lora(), self._lora_before,
+                                                                                 strict=True))
+            sink["lora/update_norm"].append(math.sqrt(moved))
+            sink["lora/b_norm"].append(math.sqrt(sum(float(p.detach().pow(2).sum())
+                                                     for n, p in self.model.named_parameters() if "lora_B" in n)))
+            self._lora_before = None
 
 
 class SafeTrackioCallback(TrackioCallback):
@@ -117,7 +172,7 @@ class SafeTrackioCallback(TrackioCallback):
             self._space_id = self._trackio.context_vars.current_space_id.get()
         self._initialized = True
 
-    def on_log(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, model: Any = None,
+    def on_log(self, args: TrainingArguments, state: TrainerState, control: Any, model: Any = None,
                logs: dict[str, float] | None = None, **_: Any) -> None:
         if not self._initialized:
             self.setup(args, state, model)
@@ -127,13 +182,11 @@ class SafeTrackioCallback(TrackioCallback):
 
 
 def attach(trainer: Any, ledger_file: str | Path) -> None:
-    """Swap the trainer's Trackio callback for the fail-safe one; add the ratio range, the stale-drop count and the
-    rollout counts (attached before train() starts the rollout child, which begins the ledger at `ledger_file`)."""
+    """Swap the trainer's Trackio callback for the fail-safe one; count the rollout ledger's growth per step (made
+    before train() starts the rollout child, which begins the ledger at `ledger_file`)."""
     if trainer.pop_callback(TrackioCallback) is not None:
         trainer.add_callback(SafeTrackioCallback())
-    trainer.add_callback(RatioRange(trainer._metrics["train"]))
-    trainer.add_callback(StaleDrops(trainer._metrics["train"]))
-    trainer.add_callback(RolloutCounts(trainer._metrics["train"], ledger_file))
+    trainer._growth = train_rollouts.LedgerGrowth(ledger_file)
 
 
 def dashboard_url(trainer: Any) -> str | None:

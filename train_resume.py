@@ -184,12 +184,17 @@ class ResumePosition:
         recipe.write_json(state_file, {**state, **next_position(start, consumed)})
 
 
-_CLASSES: dict[type, type] = {}
+_CLASSES: dict[tuple[type, type], type] = {}
+
+
+def mixed(mixin: type, trainer_cls: type[AsyncGRPOTrainer]) -> type[AsyncGRPOTrainer]:
+    """`trainer_cls` with `mixin` mixed in before it (same name, one class per pair)."""
+    if (mixin, trainer_cls) not in _CLASSES:
+        _CLASSES[mixin, trainer_cls] = type(trainer_cls.__name__, (mixin, trainer_cls),
+                                            {"__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
+    return _CLASSES[mixin, trainer_cls]
 
 
 def positioned(trainer_cls: type[AsyncGRPOTrainer]) -> type[AsyncGRPOTrainer]:
-    """`trainer_cls` with ResumePosition mixed in (same name, one class per base)."""
-    if trainer_cls not in _CLASSES:
-        _CLASSES[trainer_cls] = type(trainer_cls.__name__, (ResumePosition, trainer_cls),
-                                     {"__module__": trainer_cls.__module__, "__doc__": trainer_cls.__doc__})
-    return _CLASSES[trainer_cls]
+    """`trainer_cls` with ResumePosition mixed in."""
+    return mixed(ResumePosition, trainer_cls)

@@ -6,7 +6,8 @@ TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollou
 and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
 with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward. Such a
 rollout fails here only when it has no grade (recipe.graded_reward, the eval's rule too): a graded one
-(an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below.
+(an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below; one whose
+model calls failed at the engine (recipe.upstream_errors) is unscorable, `upstream`: an outage is not a wrong answer.
 
 `guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
 turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
@@ -15,7 +16,7 @@ swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT
 ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
 
 The ledger is the run's one rollout counter: the trainer (another process) logs its growth each step as the
-dashboard's rollout counts (LedgerGrowth, through train_metrics.RolloutCounts); the heartbeat's log line and the
+dashboard's rollout counts (LedgerGrowth, through train_metrics.StepObjective); the heartbeat's log line and the
 smoke report read it too.
 """
 
@@ -36,7 +37,11 @@ import trajectories
 from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
-FAILURE_CLASSES = ("create", "rollout", "capture", "empty_trace", "verifier")
+FAILURE_CLASSES = ("create", "rollout", "upstream", "capture", "empty_trace", "verifier")
+# openenv's capture proxy records this finding when the engine refused a prompt past its context (and stops the agent).
+CONTEXT_FINDING = "context_budget_exhausted"
+# How the proxy ended a rollout, as its log line counts it -> the ledger's count of rollouts so ended.
+ENDS = {"budget_stops": "budget_stopped", "context_exhausted": "context_exhausted", "cut_turns": "cut"}
 
 class RolloutFailure(RuntimeError):
     """One rollout failed for a reason outside the policy. Not a ValueError: TRL scores it unscorable."""
@@ -55,11 +60,13 @@ def read_ledger(path: str | Path) -> dict[str, Any] | None:
 class Ledger:
     """Counts every finished rollout by outcome and decides when failures are systematic (thread-safe).
 
-    Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out, forked,
-    tool_calls, unscorable: {class: n}, unscorable_total, streak, window: {size, unscorable}, last_error: {class,
-    error, at}, timing, stopped}. `stopped` is the one line the job stops with, else null. `timed_out` counts every
-    rollout whose agent hit its time limit (scored or not); `forked` (its capture trains as several rows) and
-    `tool_calls` (their sum) count the scored rollouts only, the ones TRL trains.
+    Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out,
+    budget_stopped, context_exhausted, cut, forked, tool_calls, unscorable: {class: n}, unscorable_total, streak,
+    window: {size, unscorable}, last_error: {class, error, at}, timing, stopped}. `stopped` is the one line the job
+    stops with, else null. `timed_out`, `budget_stopped` (the proxy ended the agent at its call budget),
+    `context_exhausted` (its prompt outgrew the context) and `cut` (a completion hit the output cap) count every
+    rollout so ended, scored or not; `forked` (its capture trains as several rows) and `tool_calls` (their sum) count
+    the scored rollouts only, the ones TRL trains.
 
     `timing` = {"count": n, "max": {part: s, "setup_s": s}} over the rollouts recorded with a non-empty `timing`
     (sandbox_lifecycle.trial_timing of their Harbor trial): for each part of sandbox_lifecycle.TIMING_PARTS the
@@ -76,8 +83,8 @@ class Ledger:
         self._streak: list[str] = []
         self.state: dict[str, Any] = {
             "schema": 1, "started": time.time(), "updated": time.time(), "rollouts": 0, "scored": 0,
-            "timed_out": 0, "forked": 0, "tool_calls": 0, "unscorable": dict.fromkeys(FAILURE_CLASSES, 0),
-            "unscorable_total": 0, "streak": 0,
+            "timed_out": 0, **dict.fromkeys(ENDS.values(), 0), "forked": 0, "tool_calls": 0,
+            "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
         self.log_path = self.path.with_name(recipe.ROLLOUT_LOG_NAME)
@@ -87,13 +94,14 @@ class Ledger:
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
                timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0,
-               task: str | None = None, reward: float | None = None, trial: Path | None = None,
-               trajectory: dict[str, Any] | None = None) -> None:
+               ends: Mapping[str, int] | None = None, task: str | None = None, reward: float | None = None,
+               trial: Path | None = None, trajectory: dict[str, Any] | None = None) -> None:
         """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
-        (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture); `task`,
-        `reward` and its Harbor `trial` folder go to its log line only, its `trajectory` (trajectories.trajectory) to
-        the sample of the last ones (recipe.TRAJECTORIES_NAME). Raises SystematicRolloutFailure on a trip,
-        ValueError for a timing part not in TIMING_PARTS (a caller's bug, refused before anything is counted)."""
+        (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture), `ends` how
+        the proxy ended it (GuardedSession.ends); `task`, `reward` and its Harbor `trial` folder go to its log line
+        only, its `trajectory` (trajectories.trajectory) to the sample of the last ones (recipe.TRAJECTORIES_NAME).
+        Raises SystematicRolloutFailure on a trip, ValueError for a timing part not in TIMING_PARTS (a caller's bug,
+        refused before anything is counted)."""
         unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
         if unknown:
             raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
@@ -105,6 +113,9 @@ class Ledger:
             if timing:
                 self._add_timing(timing)
             state["timed_out"] += timed_out
+            ends = {**dict.fromkeys(ENDS, 0), **(ends or {})}
+            for key, counter in ENDS.items():
+                state[counter] += ends[key] > 0
             self._recent.append(failure)
             if failure is None:
                 state["scored"] += 1
@@ -120,7 +131,7 @@ class Ledger:
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
             outcome = failure or ("timed_out" if timed_out else "scored")
-            self._log({"task": task, "outcome": outcome, "reward": reward, "error": error[:500],
+            self._log({"task": task, "outcome": outcome, "reward": reward, **ends, "error": error[:500],
                        "trial": str(trial) if trial else None, "trial_kept": trial.exists() if trial else None,
                        "at": state["updated"]})
             if trajectory is not None:
@@ -158,11 +169,13 @@ class Ledger:
 
 
 class Capture(NamedTuple):
-    """What TRL 1.15 trains a rollout's trace as: its rows, whether it forked, its tool calls (TRL's own counts)."""
+    """What TRL 1.15 trains a rollout's trace as: its rows, whether it forked, its tool calls (TRL's own counts), and
+    its turns the engine cut at the output cap (finish_reason "length")."""
 
     sequences: list[Any]
     forked: bool
     tool_calls: int
+    cut_turns: int = 0
 
 
 def _trl_capture(trace: Any) -> Capture:
@@ -174,7 +187,8 @@ def _trl_capture(trace: Any) -> Capture:
     entries = trace.to_trace_entries()
     # fork threshold 0: what TRL's loop-owning path uses with lossless capture (its default).
     sequences, tally = _chain_to_sequences(turns, "guard-check", 0)
-    return Capture(sequences, tally["fork"] > 0, sum(_tool_call_counts_by_name(entries).values()))
+    cut = sum((t.response.get("choices") or [{}])[0].get("finish_reason") == "length" for t in trace.turns)
+    return Capture(sequences, tally["fork"] > 0, sum(_tool_call_counts_by_name(entries).values()), cut)
 
 
 def _text(prompt: Any) -> str:
@@ -225,8 +239,10 @@ class GuardedSession:
         self._waiting = True
         try:
             code = self.inner.wait_for_completion() if timeout_s is None else self.inner.wait_for_completion(timeout_s)
-        except TimeoutError:
-            self.timed_out = True  # TRL trains the captured turns with timed_out flagged
+        except TimeoutError as error:
+            self.timed_out = True  # TRL trains the captured turns with timed_out flagged, unless the engine failed
+            if self._upstream():
+                raise self._fail("upstream", self._upstream()) from error
             raise
         except Exception as error:
             raise self._fail("rollout", _describe(error)) from error
@@ -234,10 +250,26 @@ class GuardedSession:
             self._waiting, self._waited = False, True
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
         # Graded (a timed-out or non-zero agent exit): trained with its grade. Not graded: the rollout failed.
-        if code and recipe.graded_reward(result) is None:
+        if self._upstream():
+            self._fail("upstream", self._upstream())
+        elif code and recipe.graded_reward(result) is None:
             reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
             self._fail("rollout", f"exit code {code}" + (f": {reason}" if reason else ""))
         return code
+
+    def _upstream(self) -> str:
+        """Why the engine, not the policy, decided this rollout ('' when none of its model calls failed there)."""
+        count = recipe.upstream_errors(getattr(self.inner, "result", None))
+        return f"{count} model call(s) failed at the engine (capture proxy upstream errors)" if count else ""
+
+    def ends(self) -> dict[str, int]:
+        """How the proxy ended the rollout (ENDS): call-budget stops (openenv counts context stops among them), context
+        stops, and completions cut at the output cap."""
+        result = getattr(self.inner, "result", None)
+        context = sum(CONTEXT_FINDING in f for f in getattr(result, "findings", None) or [])
+        stops = int(getattr(result, "budget_stop_count", 0) or 0)
+        return {"budget_stops": max(0, stops - context), "context_exhausted": context,
+                "cut_turns": self.capture.cut_turns if self.capture else 0}
 
     def fetch_training_trace(self) -> Any:
         """The inner trace, only if TRL can train on it: any capture failure becomes RolloutFailure (unscorable)."""
@@ -282,7 +314,7 @@ class GuardedSession:
                 result = getattr(self.inner, "result", None)  # HarborSession's: the capture and Harbor's verdict
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
                                    timing=getattr(self.inner, "timing", None), forked=capture.forked,
-                                   tool_calls=capture.tool_calls, task=self.task, reward=self.reward,
+                                   tool_calls=capture.tool_calls, ends=self.ends(), task=self.task, reward=self.reward,
                                    trial=getattr(self.inner, "trial_dir", None),
                                    trajectory=None if result is None else trajectories.trajectory(
                                        result, task=self.task, reward=self.reward, tool_calls=capture.tool_calls))
@@ -345,7 +377,8 @@ def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> No
 
 # The dashboard's rollout counts (TRL sums a `total` over the logging window): metric -> the ledger's counter.
 ROLLOUT_COUNTS = {"rollout/finished_total": "rollouts", "rollout/unscorable_total": "unscorable_total",
-                  "rollout/timed_out_total": "timed_out", "rollout/forked_total": "forked"}
+                  "rollout/timed_out_total": "timed_out", "rollout/forked_total": "forked",
+                  **{f"rollout/{counter}_total": counter for counter in ENDS.values()}}
 TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per scored rollout: a (calls, rollouts) rate, as TRL reduces
 
 

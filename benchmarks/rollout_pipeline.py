@@ -294,14 +294,15 @@ HEADER = ["in flight", "max staleness", "rollout duration", "trained / dropped s
 
 
 @contextlib.contextmanager
-def recipe_knobs(inflight: int, staleness: int) -> Iterator[None]:
-    """The recipe's in-flight and staleness knobs for one run (train_lora reads both when it builds the config)."""
-    saved = recipe.MAX_INFLIGHT_ROLLOUTS, recipe.MAX_STALENESS
-    recipe.MAX_INFLIGHT_ROLLOUTS, recipe.MAX_STALENESS = inflight, staleness
+def recipe_knobs(inflight: int) -> Iterator[None]:
+    """The recipe's in-flight knob for one run (train_lora reads it when it builds the config; staleness is the
+    MAX_STALENESS environment knob)."""
+    saved = recipe.MAX_INFLIGHT_ROLLOUTS
+    recipe.MAX_INFLIGHT_ROLLOUTS = inflight
     try:
         yield
     finally:
-        recipe.MAX_INFLIGHT_ROLLOUTS, recipe.MAX_STALENESS = saved
+        recipe.MAX_INFLIGHT_ROLLOUTS = saved
 
 
 @contextlib.contextmanager
@@ -343,6 +344,7 @@ def train_run(inflight: int, staleness: int, distribution: str, args: argparse.N
            "MAX_STEPS": str(recipe.TRAIN_MEDIUM + recipe.TRAIN_HARD), "SAVE_STEPS": str(10**6),
            "OUTPUT_DIR": str(run_dir / "outputs"), "HEARTBEAT_FILE": str(run_dir / "heartbeat"), "DEVICE": "cpu",
            "REPORT_TO": report_to, "DASHBOARD_SPACE": "local", "JOB_ID": run_dir.name, "RESUME": "0",
+           "MAX_STALENESS": str(staleness),
            # The trainer trains in its task list's order: the list of the tasks these sessions serve.
            "TASK_DATA": write_task_list(run_dir / "data", [t["task_name"] for t in make_tasks(args.tasks)])}
     settings = train_lora.settings_from_env(env)
@@ -351,7 +353,7 @@ def train_run(inflight: int, staleness: int, distribution: str, args: argparse.N
     factory = functools.partial(TimedSessionFactory, distribution, args.minute_s, str(clock.path), args.seed,
                                 args.fork_frac, str(run_dir / "sandboxes"), args.tasks)
     batching = contextlib.nullcontext() if args.recipe_batching else one_microbatch_per_step(train_lora)
-    with recipe_knobs(inflight, staleness), cpu_trainer_shims(), batching:
+    with recipe_knobs(inflight), cpu_trainer_shims(), batching:
         trainer = train_lora.build_trainer(settings, factory=factory, weight_transfer=NullWeightTransfer(),
                                            api=LocalHub(run_dir / "hub"))
         assert trainer.args.max_inflight_tasks == inflight and trainer.args.max_staleness == staleness

@@ -21,6 +21,8 @@ from openenv.core.harness import VerifyResult
 from openenv.core.harness.capture.upstream import training_sampling
 from openenv.core.harness.training import TrainingTrace, TrainingTurn
 
+import recipe
+
 TASKS = ("Count the rows of train.csv.", "What is the mean of column x?", "Name the most common label.")
 # Token ids inside the tiny test tokenizer's vocabulary (tests/tiny_lfm2.py).
 PROMPT_IDS = (1, 3, 40, 41, 42, 43, 2)
@@ -127,32 +129,45 @@ class FaultySession(FakeSession):
     and `verify()` still forwards `result.reward`, which a capture-failed rollout may carry (openenv 0.10.0
     harbor/rollout.py: "One such rollout even carried reward=1.0"). `capture` raises what openenv 0.10.0's
     `harbor/contract.py::to_training_trace` raises for a capture with a fatal validation finding. `agent_exit` is a
-    graded rollout whose agent exited non-zero: exit 1, `ok` False, its reward and agent turn kept.
+    graded rollout whose agent exited non-zero: exit 1, `ok` False, its reward and agent turn kept. `upstream` is that
+    rollout when its later model calls failed at the engine (the issue 41 outage: the env server's finding, seam_patch),
+    `upstream_timeout` the same agent retrying until its timeout. `ended` is a graded rollout the proxy ended: its call
+    budget (openenv counts a context stop among its budget stops too), the engine refusing a prompt past its context,
+    and one completion cut at the output cap.
     """
 
     def __init__(self, fault: str, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         self.fault = fault
         self.result = SimpleNamespace(ok=fault != "sandbox", error="sandbox failed to boot", reward=1.0)
-        if fault == "agent_exit":  # OpenEnv 0.10.0 run_rollout's result when Harbor grades a non-zero agent exit
+        if fault in ("agent_exit", "upstream", "upstream_timeout", "ended"):  # OpenEnv 0.10.0 run_rollout's results
             from openenv.harbor.models import HarborRolloutResult, HarborTurn
 
+            findings = {"upstream": [f"{recipe.UPSTREAM_FINDING}3 model call(s) failed at the engine"],
+                        "ended": ["[WARN] context_budget_exhausted: upstream HTTP 400: maximum context length is "
+                                  "32768 tokens"]}
+            findings["upstream_timeout"] = findings["upstream"]
             self.result = HarborRolloutResult(ok=False, reward=0.0, error="opencode exited with code 1",
-                                              exception_type="NonZeroAgentExitCodeError", turns=[HarborTurn(turn=0)])
+                                              exception_type="NonZeroAgentExitCodeError", turns=[HarborTurn(turn=0)],
+                                              findings=findings.get(fault, []),
+                                              budget_stop_count=3 if fault == "ended" else 0)
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         if self.fault == "agent_crash":
             raise ConnectionResetError("env server connection reset mid-rollout")
-        if self.fault in ("timeout", "timeout_verifier"):
+        if self.fault in ("timeout", "timeout_verifier", "upstream_timeout"):
             raise TimeoutError("agent did not finish within its timeout")
-        return 1 if self.fault in ("sandbox", "agent_exit") else 0
+        return 1 if self.fault in ("sandbox", "agent_exit", "upstream", "ended") else 0
 
     def fetch_training_trace(self) -> TrainingTrace:
         if self.fault == "capture":
             raise ValueError("cannot train a capture with fatal validation findings")
         if self.fault == "empty_trace":
             return TrainingTrace(turns=[])
-        return super().fetch_training_trace()
+        trace = super().fetch_training_trace()
+        if self.fault == "ended":  # the engine cut the completion at the output cap (vLLM: finish_reason "length")
+            trace.turns[0].response["choices"][0]["finish_reason"] = "length"
+        return trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any = None) -> VerifyResult:
         if self.fault in ("verifier", "timeout_verifier"):
@@ -165,7 +180,8 @@ class FaultySession(FakeSession):
 # How each fault shows, and the train_rollouts class it must be counted under (None: scored). Beyond these,
 # "timeout_verifier": an agent that timed out, then a verifier that wrote no reward (timed out and unscorable).
 FAULTS = {"create": "create", "sandbox": "rollout", "agent_crash": "rollout", "capture": "capture",
-          "empty_trace": "empty_trace", "verifier": "verifier", "timeout": None}
+          "empty_trace": "empty_trace", "verifier": "verifier", "timeout": None, "upstream": "upstream",
+          "upstream_timeout": "upstream"}
 
 
 class FaultySessionFactory(FakeSessionFactory):

@@ -359,4 +359,78 @@ def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):
     assert session.failure is None and session.timed_out and reward == 0.0
     assert len(trace.turns) >= 1  # the turns it made before the timeout are trained
     assert (ledger["rollouts"], ledger["scored"], ledger["timed_out"]) == (5, 1, 1)
-    assert ledger["unscorable"] == {"create": 0, "rollout": 3, "capture": 0, "empty_trace": 0, "verifier": 1}
+    assert ledger["unscorable"] == {"create": 0, "rollout": 3, "upstream": 0, "capture": 0, "empty_trace": 0,
+                                    "verifier": 1}
+
+
+OUTAGE_AGENT_TIMEOUT_S = 60.0
+
+
+def after_the_first_turn(status: int, message: str = "engine unavailable (injected)"):
+    """An engine that answers OpenCode's title call and first agent call, then fails every call that carries a tool
+    result (OpenCode's later turns and their retries) with `status` and vLLM's error body."""
+
+    def refuse(method: str, path: str, body: bytes | None) -> tuple[int, str] | None:
+        if method == "POST" and path.endswith("/chat/completions") and body:
+            if any(m.get("role") == "tool" for m in json.loads(body).get("messages") or []):
+                return status, message
+        return None
+
+    return refuse
+
+
+@pytest.fixture(scope="module")
+def stopped(chain, tmp_path_factory):
+    """Three rollouts of a task whose agent writes its answer in its first call, at once: the engine dies after that
+    call (503s), the engine refuses the next prompt as past its context (vLLM's 400), the proxy's call budget allows
+    one agent call. Each through its own ledger."""
+    fronts = {"outage": after_the_first_turn(503),
+              "context": after_the_first_turn(400, "This model's maximum context length is 32768 tokens. However, you "
+                                                   "requested 36864 tokens (32768 in the messages, 4096 in the "
+                                                   "completion).")}
+    servers = {name: jobs_proxy_double.start(chain.policy.url, refuse=refuse) for name, refuse in fronts.items()}
+    plans = {name: {"llm_url": f"http://127.0.0.1:{server.server_port}"} for name, server in servers.items()}
+    plans["budget"] = {"agent_step_limit": 2}  # OpenCode's title call and one agent call
+    # The proxy retries a 503 twice (2 s, then 4 s) before it counts the call failed and answers the agent 502: give
+    # the agent time to see that, on a loaded machine too, rather than time out with the call still in flight.
+    plans["outage"]["agent_timeout_sec"] = OUTAGE_AGENT_TIMEOUT_S
+    root = tmp_path_factory.mktemp("stopped")
+    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(max_workers=len(plans)) as pool:
+        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
+        runs = {name: pool.submit(chain.rollouts, [chain.names[2]], root / name / "rollouts.json",
+                                  **{"agent_timeout_sec": FAULT_AGENT_TIMEOUT_S, **plan})
+                for name, plan in plans.items()}
+        done = {name: run.result() for name, run in runs.items()}
+    for server in servers.values():
+        server.shutdown()
+    logs = {name: [json.loads(x) for x in (root / name / recipe.ROLLOUT_LOG_NAME).read_text().splitlines()]
+            for name in plans}
+    for name, ((out,), _) in done.items():
+        result = out[1].result
+        print(f"chain {name}: reward {result.reward}, budget stops {result.budget_stop_count}, error {result.error}, "
+              f"findings {result.findings}")
+    return {name: (out, ledger, logs[name]) for name, ((out,), ledger) in done.items()}
+
+
+def test_an_engine_outage_mid_rollout_is_unscorable_never_a_grade(stopped):
+    """Issue 41 defect 3, on the real chain: the agent's first call writes the answer, every later call fails at the
+    engine; OpenCode gives up or times out and Harbor still grades the workspace. The env server reports the capture
+    proxy's upstream errors (seam_patch.py) and the rollout is unscorable as `upstream`, never trained with a grade."""
+    (_, session, _, reward), ledger, (line,) = stopped["outage"]
+    assert reward is None and session.failure == "upstream", (reward, session.failure, session.error, ledger)
+    assert session.result.reward is not None and recipe.upstream_errors(session.result) >= 1  # graded; engine failed
+    assert (ledger["rollouts"], ledger["scored"], ledger["unscorable"]["upstream"]) == (1, 0, 1)
+    assert line["outcome"] == "upstream" and line["reward"] is None
+
+
+@pytest.mark.parametrize(("how", "ends"), [("context", {"context_exhausted": 1}), ("budget", {"budget_stops": 1})])
+def test_a_rollout_the_proxy_ended_is_trained_as_graded_and_says_how_it_ended(stopped, how, ends):
+    """Issue 41 defect 4, on the real chain: the capture proxy ends the agent gracefully when the engine refuses a
+    prompt past its context (finding context_budget_exhausted) or the call budget is spent (budget_stop_count);
+    Harbor grades, the rollout trains, and its log line and the ledger say which stop it was."""
+    (_, session, _, reward), ledger, (line,) = stopped[how]
+    assert reward == 1.0 and session.failure is None, (session.failure, session.error)
+    expected = {"budget_stops": 0, "context_exhausted": 0, "cut_turns": 0, **ends}
+    assert {key: line[key] for key in expected} == expected and line["outcome"] in ("scored", "timed_out")
+    assert (ledger["scored"], ledger["budget_stopped"], ledger["context_exhausted"]) == (
+        1, ends.get("budget_stops", 0), ends.get("context_exhausted", 0))

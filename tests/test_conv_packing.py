@@ -128,6 +128,86 @@ def test_attention_alone_respects_packing_so_the_leak_is_the_conv():
     assert worst_leak(model, [batch]) <= ATOL
 
 
+# --- The step's objective: token-level over the step's rows (issue 41, defect 1) -------------------------------------
+# One GRPO group of rows as different in length as a failed 8,000-token trace and a 150-token answer are, each with
+# its own advantage (both signs, as a group's are).
+STEP_LENGTHS = (9, 61, 14, 40, 7, 33, 22, 50)
+STEP_ADVANTAGES = (1.5, -0.5, 1.0, -1.0, 0.7, -1.2, 0.3, -0.8)
+PROMPT = 5
+
+
+def lora_grads(model) -> dict[str, torch.Tensor]:
+    return {name: p.grad.detach().clone() for name, p in model.named_parameters() if p.requires_grad}
+
+
+def reference_grads(model, group: list[RolloutSample], per_token: bool) -> dict[str, torch.Tensor]:
+    """The gradient of the group's GRPO loss with every sample run alone (no conv leak), written out here: at ratio 1
+    (old log-probs are the model's own) the loss is -A * ratio per completion token, summed, then divided by all of
+    the group's completion tokens (`per_token`, the recipe's objective) or, per sample, by its own tokens and the
+    group size (what TRL does with one sample per micro-batch)."""
+    model.zero_grad()
+    total = sum(sum(s.completion_mask) for s in group)
+    for sample in group:
+        ids = torch.tensor([sample.input_ids])
+        logp = torch.log_softmax(model(input_ids=ids, use_cache=False).logits[0, :-1].float(), -1)
+        token_logp = logp.gather(-1, ids[0, 1:, None]).squeeze(-1)
+        mask = torch.tensor(sample.completion_mask[1:], dtype=torch.float32)
+        ratio = torch.exp(token_logp - torch.tensor(sample.old_log_probs[1:]))
+        summed = (-sample.advantage * ratio * mask).sum()
+        (summed / total if per_token else summed / mask.sum() / len(group)).backward()
+    return lora_grads(model)
+
+
+def test_a_step_is_one_token_weighted_batch_of_its_one_sample_rows(trainer):
+    """The step's gradient through TRL's own batcher, collator and loss (train_lora.conv_safe_batching rows, the
+    trainer's get_batch_samples and training_step as transformers' loop calls them) equals the gradient of the same
+    samples as one token-weighted batch, each run alone."""
+    for key, value in train_lora.conv_safe_batching().items():  # the recipe's batching (a test above packs rows)
+        setattr(trainer.args, key, value)
+    model, generator = trainer.model, torch.Generator().manual_seed(1)
+    lora_b = {n: p for n, p in model.named_parameters() if "lora_B" in n}
+    saved = {n: p.detach().clone() for n, p in lora_b.items()}
+    with torch.no_grad():  # B starts at zero, which would leave every lora_A gradient zero: move it
+        for p in lora_b.values():
+            p.copy_(0.05 * torch.randn(p.shape, generator=generator))
+    group = []
+    for n, advantage in zip(STEP_LENGTHS, STEP_ADVANTAGES, strict=True):
+        ids = torch.randint(20, 200, (n,), generator=generator)
+        with torch.no_grad():  # the behaviour log-probs are the model's own: every ratio is 1, nothing is clipped
+            logp = torch.log_softmax(model(input_ids=ids[None], use_cache=False).logits[0, :-1].float(), -1)
+        old = [0.0, *logp.gather(-1, ids[1:, None]).squeeze(-1).tolist()]
+        group.append(RolloutSample(prompt=[], completion=[], input_ids=ids.tolist(),
+                                   completion_mask=[0] * PROMPT + [1] * (n - PROMPT), old_log_probs=old,
+                                   advantage=advantage, model_version=0, group_id=7, metrics={}))
+    for sample in group + group[:1]:  # one more: accelerate's dispatcher fetches a batch ahead
+        trainer.rollout_queue.put(sample)
+    steps = trainer.args.gradient_accumulation_steps
+    batches, items = trainer.get_batch_samples(iter(trainer.get_train_dataloader()), steps, trainer.args.device)
+    trainer.current_gradient_accumulation_steps = len(batches)  # as transformers' loop sets it
+    assert [int(b["attention_mask"].sum()) for b in batches] == list(STEP_LENGTHS)  # one sample per row
+    model.zero_grad()
+    try:
+        for batch in batches:
+            trainer.training_step(model, batch, items)
+        step = lora_grads(model)
+        token_level = reference_grads(model, group, per_token=True)
+        per_sample = reference_grads(model, group, per_token=False)
+    finally:
+        model.zero_grad()
+        model.eval()
+        with torch.no_grad():
+            for n, p in lora_b.items():
+                p.copy_(saved[n])
+        with contextlib.suppress(queue.Empty):
+            while True:
+                trainer.rollout_queue.get(timeout=1)
+    def gap(a: dict, b: dict) -> float:  # the largest relative difference of any LoRA tensor's gradient
+        return max(((a[k] - b[k]).norm() / b[k].norm()).item() for k in a)
+
+    assert gap(per_sample, token_level) > 0.1  # the two objectives differ here: the equality below says which
+    assert gap(step, token_level) < 1e-4, (gap(step, token_level), gap(step, per_sample))
+
+
 def test_conv_safe_batching_is_what_grpo_config_uses(trainer):
     fix = train_lora.conv_safe_batching()
     config = train_lora.grpo_config(train_lora.settings_from_env(

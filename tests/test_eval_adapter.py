@@ -272,6 +272,20 @@ def test_a_rollout_whose_agent_never_reached_the_model_is_unscorable_though_grad
     assert cell["error"].startswith("rollout: opencode exited with code 1")
 
 
+def test_a_rollout_whose_model_calls_failed_at_the_engine_is_unscorable_though_graded():
+    """Issue 41, defect 3, eval side (recipe.graded_reward, the rule training shares): the agent's first call was
+    answered, later ones failed at the engine (the env server's upstream finding, seam_patch.py), OpenCode exited
+    non-zero and Harbor graded the workspace. An outage is not the adapter's answer: unscorable, retried."""
+    from openenv.harbor.models import HarborRolloutResult, HarborTurn
+
+    result = HarborRolloutResult(ok=False, reward=0.0, error="opencode exited with code 1",
+                                 exception_type="NonZeroAgentExitCodeError", turns=[HarborTurn(turn=0)],
+                                 findings=[f"{recipe.UPSTREAM_FINDING}2 model call(s) failed at the engine"])
+    cell = ea.run_cell(lambda task, model: _Finished(result), 0, recipe.SERVED_MODEL_NAME)
+    assert (cell["unscorable"], cell["reward"], cell["error"]) == (True, None,
+                                                                   "upstream: 2 model call(s) failed at the engine")
+
+
 def test_killed_eval_resumes_and_reruns_only_cells_without_a_result(tmp_path, vllm):
     jobs = [("base", recipe.SERVED_MODEL_NAME, t) for t in _tasks(6)]
     path = tmp_path / "r.json"

@@ -227,7 +227,9 @@ def test_recipe_table_is_generated_from_recipe(made, tmp_path, capsys, monkeypat
     monkeypatch.setattr(recipe, "MAX_TOKENS", 1234)
     monkeypatch.setattr(recipe, "TRAIN_REVISION", "0123456789abcdef0123456789abcdef01234567")
     body = card_for(made["source"], tmp_path, capsys)
-    assert "| Learning rate | 3e-06 |" in body
+    assert ("| Learning rate | 3e-06 (the recipe default), constant; the recipe's lineage fine-tuned the full model "
+            "at 3e-6, and LoRA is commonly run ~10x higher") in body
+    assert "| Learning rate | 1e-05, constant;" in model_cards.training_card(SOURCE, 20, None, 1e-5)  # the run's
     assert "| Output cap | 1234 tokens per model call" in body
     assert "@ `0123456789abcdef0123456789abcdef01234567`" in body
     assert "trl==1.15.0" in body and "transformers==5.17.0" in body  # read from recipe.JOB_REQUIREMENTS

@@ -617,11 +617,12 @@ def test_dry_run_off_words_launch_for_real(capsys, monkeypatch, bundle, tmp_path
 def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
     env = base_env(SAVE_STEPS="50", RESUME="true", WEIGHT_SYNC="stock", STALL_MINUTES="45", FINAL_EVAL="no",
                    MAX_IDLE_HOURS="12", EVAL_CONCURRENCY="8")
-    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--save-steps", "75"], env)
+    rc, out, err = run_main(capsys, ["train", "--dry-run", "--bundle-dir", str(bundle), "--save-steps", "75",
+                                     "--learning-rate", "1e-5"], env)
     assert rc == 0, err
     assert json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "SAVE_STEPS": "75",
                                              "RESUME": "1", "WEIGHT_SYNC": "stock", "STALL_MINUTES": "45",
-                                             "FINAL_EVAL": "0", "REPORT_TO": "trackio"}
+                                             "FINAL_EVAL": "0", "LEARNING_RATE": "1e-05", "REPORT_TO": "trackio"}
     rc, out, err = run_main(capsys, ["eval-watch", "--dry-run", "--bundle-dir", str(bundle)], env)
     assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
                                                          "MAX_IDLE_HOURS": "12", "EVAL_CONCURRENCY": "8",
@@ -668,6 +669,7 @@ SHARED = [("train", "run_job.sh", "MAX_STEPS", "1001"), ("train", "run_job.sh", 
           ("eval", "run_eval.sh", "REPORT_TO", "tensorboard"), ("train", "run_job.sh", "SANDBOX", "daytona"),
           ("eval", "run_eval.sh", "SANDBOX", "e2b"), ("train", "run_job.sh", "SAVE_STEPS", "2000"),
           ("train", "run_job.sh", "STALL_MINUTES", "0.1"), ("eval", "run_eval.sh", "EVAL_CONCURRENCY", "65"),
+          ("train", "run_job.sh", "LEARNING_RATE", "fast"), ("smoke", "run_job.sh", "MAX_STALENESS", "-1"),
           # Issue 28: every Python step refused a bad DEBUG, hours in; the job's one preflight (job_knobs) does at once.
           ("train", "run_job.sh", "DEBUG", "maybe"), ("eval", "run_eval.sh", "DEBUG", "maybe")]
 

@@ -23,7 +23,7 @@ def job(tmp_path):
 
 
 def test_dry_run_prints_ordered_plan_and_starts_nothing(job):
-    out = run_job(job, DRY_RUN="1", STUB_GPUS="none", MAX_STEPS="20")
+    out = run_job(job, DRY_RUN="1", STUB_GPUS="none", MAX_STEPS="20", LEARNING_RATE="0.00001")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
     steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",
@@ -43,6 +43,7 @@ def test_dry_run_prints_ordered_plan_and_starts_nothing(job):
     trainer = next(c for c in commands if c[-1].endswith("train_lora.py"))
     assert f"CUDA_VISIBLE_DEVICES={recipe.TRAINER_GPU}" in trainer and "MAX_STEPS=20" in trainer
     assert "DEBUG=1" in trainer  # a crash hours in keeps its traceback in the log, above the one-line reason
+    assert "LEARNING_RATE=1e-05" in trainer and f"MAX_STALENESS={recipe.MAX_STALENESS}" in trainer  # checked, passed
     assert "CAPTURE_URL=https://job123--{}.hf.jobs/capture".format(job["ports"]["PUBLIC_PORT"]) in trainer
     server = next(c for c in commands if "harbor" in c)
     assert server[server.index("--host") + 1] == "127.0.0.1"

@@ -4,6 +4,9 @@ built from what a job leaves behind: stage records, train_log.json, rollouts.jso
 from __future__ import annotations
 
 import json
+import math
+import random
+import statistics
 from pathlib import Path
 
 import pytest
@@ -98,15 +101,33 @@ def push_checkpoint(hub: LocalHub, tmp: Path, step: int, position: dict | None =
     adapter_repo.push_folder(hub, REPO, folder, adapter_repo.checkpoint_name(step), marker=True)
 
 
-def train_log(ratios: list[float] | None = None, resumed_from: int | None = 2) -> dict:
-    """train_log.json as RunLog writes it for a 2-start smoke run (steps 1-2, then 3-6)."""
-    ratios = ratios or [0.999, 0.9995, 1.0, 0.9985, 0.999, 1.0]
+def simulated_steps(steps: int = 6, *, kl: float = 1.8e-4, scale: float = 1.0, seed: int = 0) -> list[dict]:
+    """Per step, what TRL and train_metrics log for 8 one-sample rows of 50 to 400 tokens whose tokens' log-ratios are
+    N(-kl, 2 kl): E[ratio] = 1 and TRL's k3 `kl` is about `kl` (the issue's healthy run: 1.8e-4); every ratio times
+    `scale` for truncated sampling (top_p 0.99: 0.99)."""
+    rng, out = random.Random(seed), []
+    for _ in range(steps):
+        rows = [[rng.gauss(-kl, (2 * kl) ** 0.5) + math.log(scale) for _ in range(n)]
+                for n in (50, 400, 50, 400, 120, 50, 400, 200)]
+        means = [statistics.fmean(math.exp(x) for x in row) for row in rows]
+        out.append({"ratio": statistics.fmean(means), "ratio/sample_min": min(means), "ratio/sample_max": max(means),
+                    "ratio/token_mean": sum(math.exp(x) for row in rows for x in row) / sum(map(len, rows)),
+                    "kl": statistics.fmean(statistics.fmean(math.exp(x) - 1 - x for x in row) for row in rows)})
+    return out
+
+
+def train_log(steps: list[dict] | None = None, resumed_from: int | None = 2) -> dict:
+    """train_log.json as RunLog writes it for a 2-start smoke run (steps 1-2, then 3-6), each step's policy metrics
+    from `steps` (a healthy run's by default)."""
     logs = []
-    for step, ratio in enumerate(ratios, start=1):
-        logs.append({"start": 0 if step <= 2 else 1, "step": step, "loss": 0.01, "ratio": 0.9995,
-                     "ratio/sample_min": ratio, "ratio/sample_max": min(ratio + 0.0005, 1.08),
+    for step, metrics in enumerate(steps or simulated_steps(), start=1):
+        logs.append({"start": 0 if step <= 2 else 1, "step": step, "loss": 0.01, **metrics,
                      "perf/step_s": None if step in (1, 3) else 80.0 + step, "perf/weight_sync_s": 0.010 + step / 1000,
                      "perf/weight_sync_fused_tensors": 0.0 if step == 1 else 266.0, "rollout/fork_frac": 0.0,
+                     "kl/fresh": 1.7e-4, "kl/old": 2.4e-4, "clip_ratio/fresh": 0.001, "clip_ratio/old": 0.004,
+                     "clip_ratio/unbounded_total": 2.0, "lora/update_norm": 6e-3, "lora/b_norm": 0.002 * step,
+                     "learning_rate": 1e-6, "group/zero_contrast_frac": 0.5 if step % 2 else 0.0,
+                     "group/bonus_only_frac": 0.0, "sample/zero_advantage_frac": 0.5 if step % 2 else 0.0,
                      smoke_report.SAMPLES_KEY: 8.0, smoke_report.GROUPS_KEY: 1.0})
     logs.append({"start": 1, "step": 6, "train_runtime": 700.0})
     starts = [{"at": 1.0, "resumed_from": None, "global_step": 0, "max_steps": 6},
@@ -114,8 +135,9 @@ def train_log(ratios: list[float] | None = None, resumed_from: int | None = 2) -
     return {"schema": 1, "starts": starts, "logs": logs}
 
 
-LEDGER = {"schema": 1, "rollouts": 60, "scored": 57, "timed_out": 1,
-          "unscorable": {"create": 0, "rollout": 2, "capture": 0, "empty_trace": 1, "verifier": 0},
+LEDGER = {"schema": 1, "rollouts": 60, "scored": 57, "timed_out": 1, "budget_stopped": 2, "context_exhausted": 1,
+          "cut": 4, "unscorable": {"create": 0, "rollout": 2, "upstream": 0, "capture": 0, "empty_trace": 1,
+                                   "verifier": 0},
           "unscorable_total": 3, "stopped": None,
           "timing": {"count": 59, "max": {"sandbox_start_s": 31.5, "healthcheck_s": 40.0, "agent_setup_s": 12.0,
                                           "agent_run_s": 1490.0, "verifier_s": 9.0, "setup_s": 80.25}}}
@@ -149,23 +171,34 @@ def report_for(hub, tmp_path, *, log=None, ledger=LEDGER, stages=STAGES, version
 
 def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     report = report_for(hub, tmp_path)
-    assert report["verdict"] == "GO" and report["reasons"] == []
+    assert report["verdict"] == "GO" and report["reasons"] == [] and report["warnings"] == []
     assert set(report) == {"schema", "created", "expect", "stages", "training", "rollouts", "checkpoints", "resume",
-                           "eval", "watcher", "versions", "verdict", "reasons"}
+                           "eval", "watcher", "versions", "verdict", "reasons", "warnings"}
     assert report["stages"][3] == {"stage": "train", "ok": True, "seconds": 10, "note": "done",
                                    "budget_s": next(s["budget_s"] for s in smoke_report.plan()["stages"]
                                                     if s["stage"] == "train")}
     training = report["training"]
     assert training["steps_done"] == 6
     assert training["step_s"] == {"median": 84.5, "max": 86.0}  # steps 2, 4, 5, 6 (a start's first has no predecessor)
-    assert training["ratio"] == {"min": 0.9985, "max": 1.0005}
+    steps = simulated_steps()
+    # The per-row means of a healthy run leave the band the step's token-weighted mean keeps (issue 41, defect 2).
+    assert training["ratio"] == {"min": min(s["ratio/sample_min"] for s in steps),
+                                 "max": max(s["ratio/sample_max"] for s in steps)}
+    assert training["ratio"]["min"] < 0.996 or training["ratio"]["max"] > 1.002, training["ratio"]
     assert training["ratio_band"] == [0.996, 1.002]  # the recipe's 0.998-1.0, bf16's 0.002 either side
+    assert abs(training["ratio_token"]["median"] - 1) < 0.001
+    assert training["kl"]["median"] == pytest.approx(1.8e-4, rel=0.2) and training["kl_ceiling"] == recipe.SMOKE_KL_MAX
+    assert training["by_age"] == {"kl_fresh": 1.7e-4, "kl_old": 2.4e-4, "clip_ratio_fresh": 0.001,
+                                  "clip_ratio_old": 0.004}
+    assert (training["unbounded_tokens"], training["lora_b_norm"]) == (12, 0.012)
+    assert training["lora_update"] == pytest.approx(6e-3)
+    assert training["groups"] == {"zero_contrast": 0.25, "bonus_only": 0.0, "zero_advantage": 0.25}
     assert training["sync_ms"]["max"] == pytest.approx(16.0) and training["sync_ms"]["median"] == pytest.approx(13.5)
     assert training["fused_tensors"] == 266
     assert training["fork_frac"] == 0.0 and training["fork_frac_logged"]
     assert training["stale_frac"] == 0.0 and training["samples_trained"] == 48
-    assert report["rollouts"] == {k: LEDGER[k] for k in ("rollouts", "scored", "timed_out", "unscorable",
-                                                         "unscorable_total", "stopped", "timing")}
+    assert report["rollouts"] == {k: LEDGER[k] for k in ("rollouts", "scored", "timed_out", *smoke_report.ENDS,
+                                                         "unscorable", "unscorable_total", "stopped", "timing")}
     assert [(c["step"], c["verified"], c["files"], c["prompt_index"]) for c in report["checkpoints"]] == [
         (2, True, 5, 2), (4, True, 5, 4), (6, True, 5, 6)]
     assert all(c["bytes"] > 0 and c["error"] is None for c in report["checkpoints"])
@@ -177,7 +210,12 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert report["watcher"] == {"evaluated": [], "summary": False}
     screen = smoke_report.render(report)
     assert screen.splitlines()[1] == "SMOKE REPORT: GO" and len(screen.splitlines()) <= 30
-    for text in ("steps 6/6", "57 scored", "48 samples, 0 dropped stale", "importance ratio 0.9985-1.0005",
+    for text in ("steps 6/6", "57 scored", "48 samples, 0 dropped stale", "importance ratio, token-weighted: median "
+                 f"step {training['ratio_token']['median']:.4f}", f"per-row means {training['ratio']['min']:.4f}-",
+                 "(not judged)", f"kl median step {training['kl']['median']:.2g}", "ceiling 0.01",
+                 "by age (fresh/old): kl 0.00017/0.00024, clipped 0.1%/0.4%; unbounded tokens 12",
+                 "LoRA: update 0.006/step, |B| 0.012, learning rate 1e-06", "rows from zero-contrast groups 25.0%",
+                 "rollouts ended by the call budget 2, the context 1, a cut at the output cap 4",
                  "fused tensors 266", "2:ok, 4:ok, 6:ok", "pass@1 base 0.50", "vllm 0.31.0",
                  "Harbor sessions: fetch_training_trace present",
                  f"setup of 59 rollouts: slowest 80 s (budget {recipe.ROLLOUT_SETUP_BUDGET_S} s); sandbox_start 32",
@@ -185,22 +223,45 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
         assert text in screen, text
 
 
-@pytest.mark.parametrize("ratios", [[0.999, 0.95, 1.0, 1.0, 1.0, 1.0], [0.999, 1.0, 1.0, 1.0, 1.0, 1.08]])
-def test_an_importance_ratio_outside_the_band_is_no_go(hub, tmp_path, ratios):
-    """The per-sample range decides, even where the step's mean `ratio` (0.9995 here) looks fine."""
-    report = report_for(hub, tmp_path, log=train_log(ratios))
-    assert report["verdict"] == "NO-GO"
-    assert len(report["reasons"]) == 1 and report["reasons"][0].startswith("importance ratio ")
-    assert "NO-GO: importance ratio" in smoke_report.render(report)
+def test_truncated_sampling_is_no_go_in_one_line_naming_its_numbers(hub, tmp_path):
+    """top_p 0.99: every token's ratio is the nucleus's mass, ~0.99, whatever the policies' agreement."""
+    steps = simulated_steps(scale=0.99)
+    report = report_for(hub, tmp_path, log=train_log(steps))
+    median = statistics.median(s["ratio/token_mean"] for s in steps)
+    assert report["verdict"] == "NO-GO" and report["reasons"] == [
+        f"token-weighted importance ratio {median:.4f} (median step; steps "
+        f"{min(s['ratio/token_mean'] for s in steps):.4f}-{max(s['ratio/token_mean'] for s in steps):.4f}) outside "
+        "0.9960-1.0020: vLLM samples from a truncated distribution (top_p, top_k or min_p; serve with "
+        "--generation-config vllm)"]
+    assert f"{median:.4f}".startswith("0.99")
+    assert "NO-GO: token-weighted importance ratio" in smoke_report.render(report)
 
 
-def test_without_the_per_sample_range_the_step_mean_ratio_is_checked(hub, tmp_path):
+def test_a_kl_over_the_ceiling_is_no_go_in_one_line_naming_its_numbers(hub, tmp_path):
+    """Trainer and vLLM disagree (per-token log-ratios ~0.2 apart): the mean ratio stays 1, TRL's kl does not."""
+    steps = simulated_steps(kl=0.02)
+    report = report_for(hub, tmp_path, log=train_log(steps))
+    kls = [s["kl"] for s in steps]
+    assert report["verdict"] == "NO-GO" and report["reasons"] == [
+        f"kl {statistics.median(kls):.2g} (median step; max {max(kls):.2g}) over the 0.01 ceiling: trainer and vLLM "
+        "disagree on the policy (weights after a sync, chat template, dtype)"], report["reasons"]
+
+
+def test_without_the_token_weighted_ratio_no_step_is_judged_trained(hub, tmp_path):
     log = train_log()
     for entry in log["logs"]:
-        entry.pop("ratio/sample_min", None), entry.pop("ratio/sample_max", None)
-    log["logs"][3]["ratio"] = 1.01
+        entry.pop("ratio/token_mean", None)
     report = report_for(hub, tmp_path, log=log)
-    assert report["training"]["ratio"] == {"min": 0.9995, "max": 1.01} and report["verdict"] == "NO-GO"
+    assert report["verdict"] == "NO-GO" and report["reasons"] == [
+        "no importance ratio or kl logged (ratio/token_mean, kl): no step trained"]
+
+
+def test_a_mostly_zero_contrast_run_is_go_with_a_warning(hub, tmp_path):
+    report = report_for(hub, tmp_path, log=log_with(**{"group/zero_contrast_frac": 0.75}))
+    assert report["verdict"] == "GO" and report["warnings"] == [
+        "75% of the trained rows came from zero-contrast groups (every reward equal: the step trains nothing from "
+        "them): the tasks are too hard or too easy for the policy as it stands"]
+    assert "  WARN: 75% of the trained rows came from zero-contrast groups" in smoke_report.render(report)
 
 
 def test_a_checkpoint_not_readable_back_is_no_go(hub, tmp_path):
@@ -279,7 +340,8 @@ def test_report_command_prints_pushes_and_exits_by_verdict(hub, tmp_path, monkey
     assert [c["verified"] for c in pushed["checkpoints"]] == [True, True, True]
     assert pushed["rollouts"] == {
         "rollouts": 120, "scored": 114, "timed_out": 2, "unscorable_total": 8, "stopped": None,
-        "unscorable": {"create": 0, "rollout": 4, "capture": 2, "empty_trace": 2, "verifier": 0},
+        "budget_stopped": 4, "context_exhausted": 2, "cut": 8,  # both starts' counts summed, as every counter's
+        "unscorable": {"create": 0, "rollout": 4, "upstream": 0, "capture": 2, "empty_trace": 2, "verifier": 0},
         "timing": {"count": 118, "max": LEDGER["timing"]["max"]}}
     assert pushed["resume"]["verified"] and pushed["training"]["steps_done"] == 6
 

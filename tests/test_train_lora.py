@@ -28,6 +28,7 @@ import adapter_repo
 import recipe
 import train_callbacks
 import train_lora
+import train_metrics
 from tests.fake_sessions import TASKS, FakeSessionFactory, fake_task_list
 from tests.hub_double import LocalHub
 from tests.tiny_lfm2 import LAYER_TYPES, save_tiny_model, tiny_model
@@ -164,6 +165,8 @@ def test_dashboard_names_come_from_the_adapter_repo_and_the_job():
     ({"REPORT_TO": "tensorboard"}, "REPORT_TO='tensorboard' is not offered"),
     ({"STOP_AFTER_STEP": "5", "MAX_STEPS": "5"}, "STOP_AFTER_STEP=5 must be 0 (off) or a step below MAX_STEPS=5"),
     ({"STOP_AFTER_STEP": "two"}, "STOP_AFTER_STEP='two' is not a whole number"),
+    ({"LEARNING_RATE": "fast"}, "LEARNING_RATE='fast' is not a positive number"),
+    ({"MAX_STALENESS": "-1"}, "MAX_STALENESS=-1 is out of range: use a whole number >= 0"),
 ])
 def test_bad_input_is_one_clear_line_and_exit_2(env, message, monkeypatch, capsys):
     with pytest.raises(recipe.ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -254,7 +257,8 @@ def test_dry_run_prints_the_resolved_config_without_secrets_side_effects_or_down
     cwd, home = tmp_path / "cwd", tmp_path / "home"
     cwd.mkdir()
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "HF_HUB_OFFLINE": "1", "CUDA_VISIBLE_DEVICES": "",
-           "PYTHONPATH": str(ROOT), **BASE_ENV, "MAX_STEPS": "20", "CAPTURE_URL": "https://abc--8000.hf.jobs/capture"}
+           "PYTHONPATH": str(ROOT), **BASE_ENV, "MAX_STEPS": "20", "CAPTURE_URL": "https://abc--8000.hf.jobs/capture",
+           "LEARNING_RATE": "1e-5"}
     # The dry run imports none of the training stack (about 10 s of CPU), and loads or writes nothing.
     code = ("import sys, train_lora; code = train_lora.main(['--dry-run']); loaded = [m for m in ('openenv', "
             "'torch', 'transformers', 'peft', 'trl', 'train_weight_sync', 'train_callbacks') if m in sys.modules]; "
@@ -266,6 +270,7 @@ def test_dry_run_prints_the_resolved_config_without_secrets_side_effects_or_down
     assert TOKEN not in result.stdout + result.stderr
     config = json.loads(result.stdout)
     assert config["model"] == recipe.BASE_MODEL and config["adapter_repo"] == REPO and config["max_steps"] == 20
+    assert (config["learning_rate"], config["max_staleness"]) == (1e-5, recipe.MAX_STALENESS)  # the knob; the default
     assert config["lora"] == {"r": recipe.LORA_R, "alpha": recipe.LORA_ALPHA, "dropout": recipe.LORA_DROPOUT,
                               "target_modules": sorted(recipe.LORA_TARGET_MODULES)}
     assert config["sampling"] == {"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.TOP_K,
@@ -307,7 +312,9 @@ def test_real_trainer_and_config_from_the_builders(built):
     assert (args.trackio_space_id, args.hub_private_repo, args.trackio_static_space_id) == (
         recipe.DASHBOARD_SPACE, True, False)
     callbacks = {type(c).__name__ for c in trainer.callback_handler.callbacks}
-    assert {"SafeTrackioCallback", "RatioRange"} <= callbacks and "TrackioCallback" not in callbacks
+    assert "SafeTrackioCallback" in callbacks and "TrackioCallback" not in callbacks
+    # The step's objective and metrics (train_metrics), counting this start's rollout ledger.
+    assert isinstance(trainer, train_metrics.StepObjective) and trainer._growth.path.name == recipe.LEDGER_NAME
 
 
 def test_worker_gets_every_knob_the_recipe_requires(built):

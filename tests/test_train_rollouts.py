@@ -16,7 +16,6 @@ import queue
 import sys
 import threading
 import time
-from collections import defaultdict
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -203,71 +202,133 @@ def test_guard_trips_on_a_failure_rate_over_the_window_too(tmp_path):
 
 
 # --- one rollout counter: the dashboard logs the ledger's growth per step -------------------------------------------
-def logged_step(counter, sink) -> dict:
-    """What TRL logs for one optimizer step: the callbacks' on_step_end, then each key reduced as TRL reduces it."""
-    counter.on_step_end(None, None, None)
-    logged = {key: _reduce_metric(key, values) for key, values in sink.items()}
-    sink.clear()  # what TRL's log() does after the step is logged
-    return logged
+def logged_step(growth) -> dict:
+    """What TRL logs for one optimizer step of the ledger's growth (train_metrics.StepObjective adds it to the step's
+    metrics): each key reduced as TRL reduces it."""
+    return {key: _reduce_metric(key, [value]) for key, value in growth.take().items()}
+
+
+def quiet(**counts: float) -> dict:
+    """A step's rollout counts: these, every other counter 0."""
+    import train_rollouts
+
+    return {**dict.fromkeys(train_rollouts.ROLLOUT_COUNTS, 0.0), **counts}
 
 
 def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loop, tmp_path):
-    """The guard's ledger is the one rollout counter. It is written in TRL's rollout child; the trainer's callback
-    (train_metrics.RolloutCounts) reads the file each step, so the dashboard shows the ledger's own numbers."""
-    import train_metrics
+    """The guard's ledger is the one rollout counter. It is written in TRL's rollout child; the trainer reads the file
+    each step (train_rollouts.LedgerGrowth), so the dashboard shows the ledger's own numbers."""
     import train_rollouts
 
-    sink: dict = defaultdict(list)
-    # Made before the rollout child starts, as train_lora attaches it.
-    counter = train_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    # Made before the rollout child starts, as train_metrics.attach makes it.
+    growth = train_rollouts.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     plan = ("scored", "forked", "timeout", "verifier", "create")
     loop, _ = make_loop(functools.partial(PlannedSessionFactory, plan=plan))
     results = [loop._run_session(PROMPT, 0)[0] for _ in range(3)]
     assert [len(sequences) for _, _, sequences, *_ in results] == [1, 2, 1]  # the forked rollout is two rows
-    assert logged_step(counter, sink) == {
-        "rollout/finished_total": 3.0, "rollout/unscorable_total": 0.0, "rollout/timed_out_total": 1.0,
-        "rollout/forked_total": 1.0, "rollout/tool_calls_mean": sum(r[3] for r in results) / 3}  # TRL's own count
+    assert logged_step(growth) == quiet(**{
+        "rollout/finished_total": 3.0, "rollout/timed_out_total": 1.0, "rollout/forked_total": 1.0,
+        "rollout/tool_calls_mean": sum(r[3] for r in results) / 3})  # TRL's own count
     assert sum(r[3] for r in results) == 12  # 3 tool calls a turn; the forked rollout had two turns
     assert [loop._run_session(PROMPT, 0)[0][5] for _ in range(2)] == [None, None]
-    assert logged_step(counter, sink) == {  # no rollout of this step ran to a reward: no tool-call mean
-        "rollout/finished_total": 2.0, "rollout/unscorable_total": 2.0, "rollout/timed_out_total": 0.0,
-        "rollout/forked_total": 0.0}
-    assert logged_step(counter, sink) == dict.fromkeys(train_rollouts.ROLLOUT_COUNTS, 0.0)  # every step has the keys
+    # no rollout of this step ran to a reward: no tool-call mean
+    assert logged_step(growth) == quiet(**{"rollout/finished_total": 2.0, "rollout/unscorable_total": 2.0})
+    assert logged_step(growth) == quiet()  # every step has the keys
 
 
 def test_a_timed_out_rollout_whose_verifier_wrote_no_reward_shows_as_timed_out_and_unscorable(make_loop, tmp_path):
     """The agent hit its time limit, then the verifier wrote no reward: the dashboard counts it under both, as the
     ledger (and so the smoke report) does. The old loop-side count saw only timed-out rollouts that were scored."""
-    import train_metrics
+    import train_rollouts
 
-    sink: dict = defaultdict(list)
-    counter = train_metrics.RolloutCounts(sink, recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    growth = train_rollouts.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("timeout_verifier",)))
     assert loop._run_session(PROMPT, 0)[0][5] is None
     assert (ledger(settings)["timed_out"], ledger(settings)["unscorable"]["verifier"]) == (1, 1)
-    assert logged_step(counter, sink) == {"rollout/finished_total": 1.0, "rollout/unscorable_total": 1.0,
-                                          "rollout/timed_out_total": 1.0, "rollout/forked_total": 0.0}
+    assert logged_step(growth) == quiet(**{"rollout/finished_total": 1.0, "rollout/unscorable_total": 1.0,
+                                           "rollout/timed_out_total": 1.0})
+
+
+def test_how_the_proxy_ended_a_rollout_is_in_its_log_line_the_ledger_and_the_steps_counts(make_loop, tmp_path):
+    """Issue 41 defect 4: a graded rollout the proxy ended at its call budget, whose prompt outgrew the context and one
+    of whose completions was cut at the output cap (openenv's result: budget_stop_count, which counts the context stop
+    too, and the context_budget_exhausted finding; the captured response's finish_reason) trains as graded, and says
+    so; a rollout that ended on its own says none of it."""
+    import train_rollouts
+
+    growth = train_rollouts.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("ended", "scored")))
+    assert [loop._run_session(PROMPT, 0)[0][5] is not None for _ in range(2)] == [True, True]  # both trained
+    log = recipe.work_file(settings.heartbeat_file, recipe.ROLLOUT_LOG_NAME)
+    lines = [json.loads(line) for line in log.read_text().splitlines()]
+    assert [(line["outcome"], line["budget_stops"], line["context_exhausted"], line["cut_turns"]) for line in lines] \
+        == [("scored", 2, 1, 1), ("scored", 0, 0, 0)]
+    counts = ledger(settings)
+    assert (counts["scored"], counts["budget_stopped"], counts["context_exhausted"], counts["cut"]) == (2, 1, 1, 1)
+    step = logged_step(growth)
+    assert (step["rollout/budget_stopped_total"], step["rollout/context_exhausted_total"], step["rollout/cut_total"]) \
+        == (1.0, 1.0, 1.0)
 
 
 def test_the_dashboard_counts_only_this_starts_ledger_and_a_restarted_ledger_from_zero(tmp_path):
     """A ledger an earlier start left in place is not this run's; a rollout child restarted in the same start begins
     a new ledger (its own `started`), counted from zero, not subtracted from the last one."""
-    import train_metrics
     import train_rollouts
 
     path = tmp_path / "rollouts.json"
     train_rollouts.Ledger(path).record(None)
     time.sleep(0.01)
-    sink: dict = defaultdict(list)
-    counter = train_metrics.RolloutCounts(sink, path)
-    assert logged_step(counter, sink) == {}
+    growth = train_rollouts.LedgerGrowth(path)
+    assert logged_step(growth) == {}
     current = train_rollouts.Ledger(path)
     current.record(None)
     current.record("capture", "ValueError: fatal validation finding")
-    assert logged_step(counter, sink)["rollout/finished_total"] == 2.0
+    assert logged_step(growth)["rollout/finished_total"] == 2.0
     time.sleep(0.01)
     train_rollouts.Ledger(path).record(None)
-    assert logged_step(counter, sink)["rollout/finished_total"] == 1.0
+    assert logged_step(growth)["rollout/finished_total"] == 1.0
+
+
+# --- issue 41, items 5 and 8: what a group's rewards give the step, through TRL's own scoring ------------------------
+def scored_group(loop, outcomes: list[tuple[float, int]]) -> list:
+    """One GRPO group scored by the recipe's loop (TRL's _score_group, then train_metrics' flags): each rollout run
+    through TRL's _run_session with its grade and tool calls, so its reward is train_lora.reward's."""
+    from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup
+
+    from tests.fake_sessions import FakeSession
+
+    def session(grade: float, calls: int) -> FakeSession:
+        return FakeSession(TASKS[0], loop._factory.inner.sampling or {}, grade, calls)
+
+    runs = []
+    for grade, calls in outcomes:
+        loop._factory.inner.create = lambda *_, grade=grade, calls=calls, **__: session(grade, calls)
+        runs.append(loop._run_session(PROMPT, 0)[0])
+    group = RolloutGroup(prompts=[PROMPT] * len(runs), reward_kwargs={}, completions=[r[0] for r in runs],
+                         completions_ids=[r[1] for r in runs], completions_sequences=[r[2] for r in runs],
+                         tool_call_counts=[r[3] for r in runs], tool_failure_counts=[r[4] for r in runs],
+                         model_version=3, group_id=0, env_rewards=[None] * len(runs),
+                         rollout_rewards=[r[5] for r in runs])
+    return loop._loop.run_until_complete(loop._score_group(group))
+
+
+def test_a_groups_contrast_shows_per_row_and_the_tool_bonus_alone_is_as_strong_as_a_right_answer(make_loop):
+    import train_metrics as tm
+
+    loop, _ = make_loop(functools.partial(FakeSessionFactory))
+    n = recipe.NUM_GENERATIONS
+    # All right, one rollout with one more tool call: the bonus is the only contrast, and std-normalised it is -2.6.
+    bonus = scored_group(loop, [(1.0, 3)] * (n - 1) + [(1.0, 4)])
+    assert {(s.metrics[tm.BONUS_ONLY], s.metrics[tm.ZERO_CONTRAST]) for s in bonus} == {(1.0, 0.0)}
+    assert bonus[-1].advantage == pytest.approx(-(n - 1) ** 0.5, rel=1e-4)  # -2.65 at 8
+    # One right answer among wrong ones: +2.6, as large.
+    lone = scored_group(loop, [(0.0, 3)] * (n - 1) + [(1.0, 3)])
+    assert lone[-1].advantage == pytest.approx((n - 1) ** 0.5, rel=1e-4)
+    assert {(s.metrics[tm.BONUS_ONLY], s.metrics[tm.ZERO_CONTRAST]) for s in lone} == {(0.0, 0.0)}
+    # All wrong: no contrast, advantage 0 on every row (the step trains nothing from it).
+    flat = scored_group(loop, [(0.0, 3)] * n)
+    assert {(s.metrics[tm.ZERO_CONTRAST], s.metrics[tm.ZERO_ADVANTAGE], s.advantage) for s in flat} == {(1.0, 1.0, 0)}
+    assert {s.metrics[tm.VERSION] for s in flat} == {3.0}  # the group's policy version, for the loss's staleness split
 
 
 # --- issue 14, defect 7: the first wave of create() calls races on the task map ---------------------------------------

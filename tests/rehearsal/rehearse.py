@@ -21,7 +21,9 @@ what cannot exist on a CPU machine is substituted, each piece under tests/:
     the dashboard Space   -> Trackio's local storage (TRACKIO_DIR), project named after the adapter repo
     GPU kernels           -> tests/trl_cpu_shims.py: sdpa attention, torch log-probs, no vLLM import check
 
-Prints a step table (reward mean, loss, importance-ratio mean, sync ms) and writes it to WORKDIR/report.json, with
+Prints a step table (reward mean, loss, importance ratio, kl by staleness, clipped and unbounded tokens, zero-contrast
+and bonus-only rows, the LoRA's update, learning rate, rollouts ended by budget, context or output cap, sync ms) and
+writes it to WORKDIR/report.json, with
 every finished rollout (train_rollouts' rollout log: task, verifier reward, outcome, Harbor trial folder and whether
 it was kept).
 Exits 1 if any sync left the server's weights different from the trainer's merged weights. With --smoke-report it
@@ -133,13 +135,15 @@ class StepLog(TrainerCallback):
             self.report_file.write_text(json.dumps(self.report(), indent=2))
 
     def rows(self) -> list[dict[str, Any]]:
-        """One row per optimizer step: reward mean, loss, importance-ratio mean, and the sync after it."""
+        """One row per optimizer step: reward mean, loss, importance ratio (TRL's mean, the token-weighted one), what
+        says whether it learns (train_metrics: STEP_METRICS), and the sync after it."""
         syncs = {record.step: record for record in self.transfer.records}
         rows = []
         for step, logs in sorted(self.logs.items()):
             sync = syncs.get(step)
             rows.append({"step": step, "reward": logs.get("reward"), "loss": logs.get("loss"),
-                         "ratio": logs.get("ratio"), "sync_ms": sync.ms if sync else None,
+                         "ratio": logs.get("ratio"), **{key: logs.get(key) for key in STEP_METRICS},
+                         "sync_ms": sync.ms if sync else None,
                          "served_equals_merged": bool(sync and not sync.mismatched)})
         return rows
 
@@ -258,14 +262,30 @@ def run_apart(workdir: Path, *extra: str, env: dict[str, str], timeout: int) -> 
     return subprocess.CompletedProcess(process.args, process.returncode, out)
 
 
+# The step table's metric columns beyond reward, loss and ratio (train_metrics and train_rollouts; docs/training.md
+# "Reading the dashboard"): heading, metric, format.
+COLUMNS = (("ratio_tok", "ratio/token_mean", ".4f"), ("kl", "kl", ".2g"), ("kl_fresh", "kl/fresh", ".2g"),
+           ("kl_old", "kl/old", ".2g"), ("clip_f", "clip_ratio/fresh", ".3f"), ("clip_o", "clip_ratio/old", ".3f"),
+           ("unb", "clip_ratio/unbounded_total", ".0f"), ("zero_c", "group/zero_contrast_frac", ".2f"),
+           ("zero_a", "sample/zero_advantage_frac", ".2f"), ("bonus", "group/bonus_only_frac", ".2f"),
+           ("lora_upd", "lora/update_norm", ".2g"), ("lr", "learning_rate", ".0e"),
+           ("budget", "rollout/budget_stopped_total", ".0f"), ("ctx", "rollout/context_exhausted_total", ".0f"),
+           ("cut", "rollout/cut_total", ".0f"))
+STEP_METRICS = tuple(metric for _, metric, _ in COLUMNS)
+
+
 def print_table(rows: list[dict[str, Any]]) -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
-    print(f"{'step':>4} {'reward':>8} {'loss':>10} {'ratio':>8} {'sync ms':>8}  served==merged")
+    print(f"{'step':>4} {'reward':>7} {'loss':>9} {'ratio':>7} " + " ".join(f"{h:>{max(len(h), 7)}}"
+                                                                              for h, _, _ in COLUMNS)
+          + f" {'sync ms':>8}  served==merged")
     for row in rows:
-        print(f"{row['step']:>4} {fmt(row['reward'], '.3f'):>8} {fmt(row['loss'], '.5f'):>10} "
-              f"{fmt(row['ratio'], '.4f'):>8} {fmt(row['sync_ms'], '.1f'):>8}  {row['served_equals_merged']}")
+        print(f"{row['step']:>4} {fmt(row['reward'], '.3f'):>7} {fmt(row['loss'], '.5f'):>9} "
+              f"{fmt(row['ratio'], '.4f'):>7} " + " ".join(f"{fmt(row[m], spec):>{max(len(h), 7)}}"
+                                                           for h, m, spec in COLUMNS)
+              + f" {fmt(row['sync_ms'], '.1f'):>8}  {row['served_equals_merged']}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -7,27 +7,40 @@ as a sandbox sees it (`https://<host>/...` on port 443, tests/chain/tls_front.py
 
 from __future__ import annotations
 
+import json
 import socket
 import ssl
 import sys
 import threading
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 DROPPED: list[str] = []
 FORWARDED: list[tuple[str, str, dict[str, str], int]] = []  # (method, path, the headers sent on, the status answered)
 
 
-def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ssl.SSLContext | None = None):
+def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ssl.SSLContext | None = None,
+          refuse: Callable[[str, str, bytes | None], tuple[int, str] | None] | None = None):
     """Serve on `address` (a free 127.0.0.1 port unless given), over TLS with `tls`, in a daemon thread; returns the
-    server."""
+    server. `refuse(method, path, body)` may answer a request itself instead, with (status, message) as vLLM's error
+    body (an engine failing some calls), unrecorded."""
 
     class Handler(BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
 
         def _forward(self) -> None:
             body = self.rfile.read(int(self.headers.get("content-length") or 0)) or None
+            if refuse and (refused := refuse(self.command, self.path, body)):
+                status, message = refused
+                data = json.dumps({"error": {"message": message, "type": "BadRequestError", "code": status}}).encode()
+                self.send_response(status)
+                self.send_header("content-type", "application/json")
+                self.send_header("content-length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+                return
             headers = {}
             for key, value in self.headers.items():
                 if key.lower() == "authorization":
