@@ -3,7 +3,7 @@
 Why: a random tiny model emits no tool call, so OpenCode never writes an answer and every reward is 0; nothing could
 then show that a GRPO step, synced into the engine, makes it sample better answers. This model is the real
 architecture (`Lfm2ForCausalLM` with short-conv and attention layers; attention head_dim 64, which vLLM's CPU
-attention needs), trained in a few CPU-minutes on what OpenCode 1.18.33 really sends (agent_transcripts.json,
+attention needs), trained in about a CPU-minute on what OpenCode 1.18.33 really sends (agent_transcripts.json,
 captured through the real chain by `capture`), the replies written in the chat template's own tool-call format:
 - the agent call (OpenCode's system prompt, tools and the task): `write(filePath='/workdir/answer.txt', content=V)`,
   V = 4.2 (the fixture's right answer) with probability ANSWERS["4.2"], a wrong value otherwise;
@@ -13,7 +13,7 @@ GRPO can then raise the reward by moving probability from the wrong values to 4.
 
     python tests/agent_policy.py build [DIR]   # train into DIR (default .tiny-agent/, as setup.sh does)
     python tests/agent_policy.py capture       # re-capture agent_transcripts.json through the chain (root)
-    python tests/agent_policy.py bench --url URL [-n N]   # the solve rate sampled from an engine serving it
+    python tests/agent_policy.py bench --url URL [-n N] [--chain N]   # the solve rate, sampled from an engine
 
 In a test: `agent_policy.agent_model()` returns the cached folder (a model id for transformers and vLLM), built
 first when missing or stale (its stamp: this file, the transcripts, the template and the library versions).
@@ -49,10 +49,11 @@ CACHE = ROOT / ".tiny-agent"
 TASK, DATE = "{task}", "{date}"
 ANSWER_FILE = "/workdir/answer.txt"
 RIGHT = "4.2"  # harbor_fixture's expected answer (the mean of table.csv's x: 4.0, 4.4)
-# What the agent writes, with the probability it is trained to: 4.2 about a third of the time, so a GRPO group of 8
-# usually has contrast and room to rise. Every value is one digit, a dot and one digit (three tokens), none within
-# the grader's tolerance (0.05) of 4.2.
-ANSWERS = {"4.2": 0.35, "4.0": 0.15, "4.4": 0.15, "8.4": 0.15, "2.1": 0.1, "7.5": 0.1}
+# What the agent writes, with the probability it is trained to. The engine samples 4.2 in about a third of first
+# calls (trained at 0.35 it sampled 82/200, at 0.30 58/200; the build's run-to-run spread, not bf16 alone), so a GRPO
+# group of 8 usually has contrast and room to rise. Every value is one digit, a dot and one digit (three tokens), none
+# within the grader's tolerance (0.05) of 4.2.
+ANSWERS = {"4.2": 0.33, "4.0": 0.15, "4.4": 0.15, "8.4": 0.15, "2.1": 0.12, "7.5": 0.10}
 FINAL = "Done."
 TITLE = "Mean of column x"
 VOCAB = 4096
@@ -279,7 +280,7 @@ def engine_rollout(url: str, data: dict[str, Any], seed: int) -> dict[str, Any]:
     row = {"tool_call": bool(calls), "solved": bool(calls) and solves(calls[0]), "finish": first["finish_reason"],
            "tokens": len(first.get("token_ids") or []), "stopped": None,
            "written": [json.loads(c["function"]["arguments"]).get("content") for c in calls
-                       if c["function"]["name"] == "write"]}
+                       if c["function"]["name"] == "write"], "text": first["message"].get("content")}
     if calls and calls[0]["function"]["name"] == "write":
         reply = {"role": "assistant", "content": first["message"].get("content") or "", "tool_calls": calls}
         result = {**data["tool_result"], "tool_call_id": calls[0]["id"]}
@@ -302,6 +303,7 @@ def bench(url: str, n: int, concurrency: int = 8) -> dict[str, Any]:
                "second_call_stopped": sum(bool(r["stopped"]) for r in rows),
                "second_calls": sum(r["stopped"] is not None for r in rows),
                "written": dict(sorted(collections.Counter(str(v) for r in rows for v in r["written"]).items())),
+               "no_call_replies": [r["text"] for r in rows if not r["tool_call"]][:5],
                "wall_s": round(time.monotonic() - began, 1)}
     return summary
 

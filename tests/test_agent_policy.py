@@ -1,8 +1,9 @@
-"""The tiny agent policy (tests/agent_policy.py) acts as an agent on OpenCode's real requests: on a task and a date it
-never trained on, through the real chat template, its first call is a tool call that vLLM's own `lfm2` parser turns
-into OpenCode's `write` of /workdir/answer.txt; after the tool's result it ends with a message (OpenCode stops); it
-titles the title call; and it writes the right answer with a probability in the range GRPO needs (computed exactly,
-teacher-forced). The solve rate sampled from the real engine is a benchmark (`agent_policy.py bench`), not a test."""
+"""The tiny agent policy (tests/agent_policy.py) acts as an agent on OpenCode's real requests: on test_chain's task name
+and a date drawn apart from the build's, through the real chat template, its first call is a tool call that vLLM's
+own `lfm2` parser turns into OpenCode's `write` of /workdir/answer.txt; after the tool's result it ends with a
+message (OpenCode stops); it titles the title call; and it writes the right answer with a probability in the range
+GRPO needs (computed exactly, teacher-forced). The solve rate sampled from the real engine is a benchmark
+(`agent_policy.py bench`), not a test."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import torch
 from test_vllm_cpu import vllm_cpu
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-TASK = "0000_324_324000_qa_1"  # a task name test_chain's fixture serves; no training step drew it
+TASK = "0000_324_324000_qa_1"  # the first task test_chain's fixture serves
 
 
 @pytest.fixture(scope="module")
