@@ -162,6 +162,13 @@ in_chain_root() {
     --setenv DEBIAN_FRONTEND noninteractive "$@"
 }
 
+# The tiny agent policy the suite's real-engine tests sample (tests/agent_policy.py): a tiny LFM2 trained on
+# OpenCode's captured requests to call its write tool, into .tiny-agent/ (about 1 CPU-minute); skipped while the
+# stamp of its inputs (builder, transcripts, template, library versions) matches.
+build_agent_policy() {
+  "$VENV/bin/python" tests/agent_policy.py build
+}
+
 main() {
   cd "$(dirname "$0")"
   local python
@@ -177,6 +184,7 @@ main() {
   "$VENV/bin/python" -m pip check || echo "setup.sh: pip check reported the conflicts above" >&2
   install_opencode
   install_vllm_code
+  build_agent_policy
   if install_chain_tools; then build_chain_image; fi
   install_browser
   echo "setup.sh: ready. Run the tests with: .venv/bin/python -m pytest"

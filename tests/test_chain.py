@@ -434,3 +434,24 @@ def test_a_rollout_the_proxy_ended_is_trained_as_graded_and_says_how_it_ended(st
     assert {key: line[key] for key in expected} == expected and line["outcome"] in ("scored", "timed_out")
     assert (ledger["scored"], ledger["budget_stopped"], ledger["context_exhausted"]) == (
         1, ends.get("budget_stops", 0), ends.get("context_exhausted", 0))
+
+
+def test_opencode_sends_the_requests_the_agent_policy_was_trained_on(chain, played):
+    """tests/agent_transcripts.json (what the tiny agent policy of tests/agent_policy.py trained on) is what this
+    OpenCode sends: its title call, its first agent call (system prompt, tools, task) and the write tool's result.
+    When OpenCode changes them, re-capture (`python tests/agent_policy.py capture`) and the policy rebuilds."""
+    import re
+
+    import agent_policy
+
+    (session, trace, _), *_ = of_kind(played, "right")
+    agent = next(t for t in session.result.turns if t.request_tools)  # the first call with tools
+    title = next(c for c in session.result.conversations if c.role == "auxiliary")  # its messages + the reply
+    date = re.search(r"Today's date: (.*)", agent.request_messages[0]["content"]).group(1)
+    expected = agent_policy.fill(agent_policy.transcripts(), chain.names[0], date)  # the group's task
+    stale = "OpenCode's requests changed: re-capture them with `python tests/agent_policy.py capture`"
+    assert agent.request_messages == expected["agent"]["messages"], stale
+    assert agent.request_tools == expected["agent"]["tools"], stale
+    assert title.messages[:-1] == expected["title"]["messages"], stale
+    result = trace.turns[1].request["messages"][-1]
+    assert {k: v for k, v in result.items() if k != "tool_call_id"} == expected["tool_result"], stale

@@ -24,14 +24,14 @@ SPECIAL_TOKENS = [
 LAYER_TYPES = ["conv", "conv", "full_attention", "conv", "full_attention", "conv"]
 
 
-def tiny_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
+def tiny_tokenizer(vocab_size: int | None = None, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
     """A byte-level tokenizer (256 byte tokens + LFM2.5 special tokens) with the LFM2.5 chat template.
 
-    With `vocab_size`, BPE merges up to that many tokens, learned from the bundle's own text (ENGLISH_CORPUS): the
-    real chain's rows are OpenCode's whole prompt (English instructions and JSON tool schemas, ~26k bytes), which then
-    take ~3 bytes a token, so the tiny model trains and scores them ~3x shorter (attention ~9x cheaper). Words are
-    split as GPT-2 does (the regex pre-tokenizer), so text between special tokens tokenizes the same wherever it is
-    rendered, and a re-rendered turn still extends its prompt (no forks).
+    With `vocab_size`, BPE merges up to that many tokens, learned from `corpus` (default: the bundle's own text,
+    ENGLISH_CORPUS): the real chain's rows are OpenCode's whole prompt (English instructions and JSON tool schemas,
+    ~26k bytes), which then take ~3 bytes a token, so the tiny model trains and scores them ~3x shorter (attention
+    ~9x cheaper). Words are split as GPT-2 does (the regex pre-tokenizer), so text between special tokens tokenizes
+    the same wherever it is rendered, and a re-rendered turn still extends its prompt (no forks).
     """
     alphabet = pre_tokenizers.ByteLevel.alphabet()
     if vocab_size is None:
@@ -43,7 +43,7 @@ def tiny_tokenizer(vocab_size: int | None = None) -> PreTrainedTokenizerFast:
     else:
         backend = Tokenizer(models.BPE())
         backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-        backend.train_from_iterator(english_corpus(), trainers.BpeTrainer(
+        backend.train_from_iterator(corpus or english_corpus(), trainers.BpeTrainer(
             vocab_size=vocab_size, special_tokens=SPECIAL_TOKENS, initial_alphabet=sorted(alphabet),
             show_progress=False))
     backend.decoder = decoders.ByteLevel()

@@ -8,6 +8,10 @@ keys in one request so vLLM is imported once (a child's imports cost about as mu
 - {"lora": {"model": dir, "adapters": [[dir, max_lora_rank], ...]}}, answered under "lora": vLLM's
   Lfm2ForCausalLM built on CPU from the model's config and wrapped by vLLM's WorkerLoRAManager; each adapter
   loaded and added as the worker does it: the vLLM modules it maps, or vLLM's error.
+- {"tool_calls": {"model": dir, "tools": [...], "outputs": [text, ...]}}: vLLM's `lfm2` tool parser (the one
+  `--tool-call-parser lfm2` registers) over each model output, with a chat request carrying `tools` as OpenCode
+  sends them: the request as the parser adjusts it (`skip_special_tokens`) and per output what the server would
+  return (tool calls, content).
 The platform is forced to vLLM's CpuPlatform (no GPU here); nothing else is replaced.
 """
 
@@ -110,6 +114,23 @@ def lora(model: str, adapters: list[tuple[str, int]]) -> dict[str, Any]:
     return {"model": {"linear": linear, "packed": net.packed_modules_mapping}, "adapters": answers}
 
 
+def tool_calls(model: str, tools: list[dict[str, Any]], outputs: list[str]) -> dict[str, Any]:
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tokenizers import get_tokenizer
+    from vllm.tool_parsers import ToolParserManager
+
+    request = ChatCompletionRequest(model=model, messages=[{"role": "user", "content": "-"}], tools=tools,
+                                    tool_choice="auto")
+    parser = ToolParserManager.get_tool_parser("lfm2")(get_tokenizer(model), request.tools)
+    request = parser.adjust_request(request)
+    parsed = []
+    for text in outputs:
+        info = parser.extract_tool_calls(text, request)
+        parsed.append({"tools_called": info.tools_called, "content": info.content,
+                       "tool_calls": [call.model_dump() for call in info.tool_calls]})
+    return {"skip_special_tokens": request.skip_special_tokens, "parsed": parsed}
+
+
 def main() -> None:
     request = json.load(sys.stdin)
     with contextlib.redirect_stdout(sys.stderr):  # vLLM logs to stdout; the answer alone goes there
@@ -119,6 +140,8 @@ def main() -> None:
             answer.update(parsed=[parse(argv) for argv in request["parse"]], api_server=api_server())
         if "lora" in request:
             answer["lora"] = lora(**request["lora"])
+        if "tool_calls" in request:
+            answer["tool_calls"] = tool_calls(**request["tool_calls"])
     print(json.dumps(answer, default=str))
 
 
