@@ -61,13 +61,9 @@ def missing() -> str:
 
 def require() -> None:
     """At a test module's top: skip it where the engine cannot run, and fail instead under CI=true."""
-    import pytest
+    from chain import envserver
 
-    lacking = missing()
-    if lacking and os.environ.get("CI") == "true":
-        pytest.fail(f"the vLLM engine cannot run: missing {lacking}", pytrace=False)
-    if lacking:
-        pytest.skip(f"the vLLM engine needs {lacking}", allow_module_level=True)
+    envserver.require("the vLLM engine", missing())
 
 
 def importable() -> None:
