@@ -44,7 +44,7 @@ REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 sys.path.insert(0, str(REHEARSAL))
 
 from policy_server import ANSWER_FILE, OldestTaskFirst, PolicyServer, Script  # noqa: E402
-from rehearse import ADAPTER_REPO, run_apart, start_capture_proxy, wait_for_proxy  # noqa: E402
+from rehearse import ADAPTER_REPO, REHEARSAL_RATIO_BAND, run_apart, start_capture_proxy, wait_for_proxy  # noqa: E402
 from sessions import ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 
 MODEL = recipe.SERVED_MODEL_NAME
@@ -271,7 +271,8 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     assert [row["step"] for row in report["steps"]] == [1, 2]
     assert report["heartbeats"] == [1, 2]
     assert_checked(report["syncs"], [0, 1, 2])
-    assert all(0.9 < row["ratio"] < 1.1 and row["loss"] is not None for row in report["steps"])
+    low, high = REHEARSAL_RATIO_BAND
+    assert all(low < row["ratio"] < high and row["loss"] is not None for row in report["steps"])
     ledger = json.loads((workdir / recipe.LEDGER_NAME).read_text())  # the killed start's, as run_job.sh keeps it
     assert {k: n for k, n in ledger["unscorable"].items() if n} == FAULT_COUNTS, ledger
     assert ledger["timed_out"] == 1 and ledger["stopped"] is None
@@ -341,7 +342,8 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     assert resume["consumed"] >= 2  # the first start's two trained groups at least; the position skipped them all
     training = report["training"]
     assert training["steps_done"] == 3 and training["step_s"]["max"] > 0
-    assert 0.9 < training["ratio"]["min"] <= training["ratio"]["max"] < 1.1
+    low, high = REHEARSAL_RATIO_BAND
+    assert low < training["ratio"]["min"] <= training["ratio"]["max"] < high
     assert training["sync_ms"]["median"] > 0 and training["fused_tensors"] == 0  # CPU: cuBLAS's path only
     assert [(c["step"], c["verified"]) for c in report["checkpoints"]] == [(2, True), (3, True)]
     assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
