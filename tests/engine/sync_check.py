@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import shutil
 import sys
 import tempfile
 from collections.abc import Callable
@@ -166,9 +167,9 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--vllm-url and --model go together")
     import engine
 
-    work = Path(tempfile.mkdtemp(prefix="sync-check-"))
-    runner = None
+    work = runner = None
     if args.vllm_url is None:
+        work = Path(tempfile.mkdtemp(prefix="sync-check-"))
         args.model = engine.save_engine_model(work / "model")
         runner = engine.Engine(args.model, work / "engine")
         args.vllm_url = runner.start()
@@ -177,6 +178,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if runner is not None:
             runner.stop()
+    if work is not None:
+        shutil.rmtree(work)  # kept, with the engine's log, when the demo raised
     print(f"{'sync':<14} {'served vs policy':>16} {'moved':>12} {'from base':>14}  check (tolerance {TOLERANCE})")
     for name, record in records.items():
         print(row(name, record))
