@@ -29,7 +29,6 @@ import recipe
 
 PREFIX = "/capture"
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-.:~@]+$")
-_CONTROL_PLANE = {"sessions"}
 # RFC 9110 7.6.1's connection-level headers, plus the ones httpx and uvicorn recompute.
 _HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
                "transfer-encoding", "upgrade", "host", "content-length"}
@@ -43,7 +42,7 @@ def forwardable(raw_path: str) -> bool:
     segments = raw_path[len(PREFIX) + 1 :].split("/")
     if any(not _SEGMENT.match(s) or set(s) == {"."} for s in segments):
         return False
-    return segments[0] not in _CONTROL_PLANE
+    return segments[0] != "sessions"  # the capture proxy's control plane (the trainer's, on loopback)
 
 
 def _refused(status: int, error: str) -> JSONResponse:
