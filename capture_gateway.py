@@ -1,29 +1,19 @@
-"""The job's one public port: forwards `/capture/...` to the env server on loopback, refuses the rest.
-
-HF Jobs exposes recipe.PUBLIC_PORT at `https://<job-id>--<PUBLIC_PORT>.hf.jobs`; the sandboxes reach the capture proxy
-there. The env server (its task API starts rollouts on our token) and vLLM (unauthenticated dev endpoints) bind
-127.0.0.1; the capture app is mounted on the env server at `/capture` (openenv does that when SPACE_HOST is set), and
-this process is the only listener on 0.0.0.0. It forwards the agent's data plane (`/capture/<model API path>`) under a
-live session's key only, refusing any other before its body is read, and answers 404 to the rest, the capture proxy's
-session routes (`/capture/sessions...`: the trainer's control plane) and paths that could be normalised into another
-route (`..`, `//`, escapes) included. Streaming replies pass through. Its limits for a public port are recipe.py's
-GATEWAY_* and CAPTURE_MAX_BODY_BYTES; docs/jobs.md ("Ports") says what each stops.
-
-    python3 capture_gateway.py    # 0.0.0.0:<PUBLIC_PORT> -> http://127.0.0.1:<ENV_PORT>; serve_env.sh starts it
+"""The job's one public port: forwards the agent's `/capture/<model API path>` calls under a live session's key to
+the env server on loopback and answers 404 to everything else, so the task API, the capture proxy's session routes
+and vLLM stay unreachable from outside the job. serve_env.sh starts it; docs/jobs.md ("Ports") says what each limit
+(recipe.py GATEWAY_*, CAPTURE_MAX_BODY_BYTES) stops.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import contextlib
-import math
 import os
 import re
 import resource
 import sys
 import time
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import httpx
@@ -38,25 +28,21 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 import recipe
 
 PREFIX = "/capture"
-# One segment of a forwardable path: no dots-only segments, no escapes, no empty segments.
 _SEGMENT = re.compile(r"^[A-Za-z0-9_\-.:~@]+$")
-_CONTROL_PLANE = {"sessions"}
-# Connection-level headers that must not be relayed (RFC 9110 7.6.1), plus ones httpx/uvicorn recompute.
-_HOP_BY_HOP = {
-    "connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
-    "transfer-encoding", "upgrade", "host", "content-length",
-}
-_OWN = "gateway.own"  # the ASGI scope extension through which a request marks its connection as a live session's
+# RFC 9110 7.6.1's connection-level headers, plus the ones httpx and uvicorn recompute.
+_HOP_BY_HOP = {"connection", "keep-alive", "proxy-authenticate", "proxy-authorization", "te", "trailer",
+               "transfer-encoding", "upgrade", "host", "content-length"}
+_OWN = "gateway.own"  # the ASGI scope extension a live session's request calls to take its connection off the idle list
 
 
 def forwardable(raw_path: str) -> bool:
-    """Whether a request path is on the capture data plane and cannot be rewritten into another route."""
+    """Whether a path is on the capture data plane and cannot be normalised into another route (`..`, `//`, `%`)."""
     if not raw_path.startswith(PREFIX + "/"):
         return False
     segments = raw_path[len(PREFIX) + 1 :].split("/")
     if any(not _SEGMENT.match(s) or set(s) == {"."} for s in segments):
         return False
-    return segments[0] not in _CONTROL_PLANE
+    return segments[0] != "sessions"  # the capture proxy's control plane (the trainer's, on loopback)
 
 
 def _refused(status: int, error: str) -> JSONResponse:
@@ -65,9 +51,7 @@ def _refused(status: int, error: str) -> JSONResponse:
 
 
 def session_key(headers: Mapping[str, str]) -> str | None:
-    """The capture session a request names, where the capture proxy looks for it: `Authorization: Bearer`, then
-    `x-api-key` (what the seam patch makes OpenCode send: the Jobs proxy strips Authorization), then
-    `x-goog-api-key` (openenv's capture/sessions.py extract_api_key; tests/test_servers.py holds the two equal)."""
+    """The capture session a request names, looked up where the capture proxy's extract_api_key looks."""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer ") and auth[7:].strip():
         return auth[7:].strip()
@@ -75,16 +59,13 @@ def session_key(headers: Mapping[str, str]) -> str | None:
 
 
 class LiveSessions:
-    """The capture proxy's live session ids, read from its admin route `GET /capture/sessions` (the env server's
-    registry: a session exists from just before its sandbox starts until its rollout ends). A key not in the last
-    read waits for a read that began after it arrived; reads are at most one per recipe.GATEWAY_SESSION_READ_S, so a
-    flood of made-up keys costs the env server one small read per interval, and a new session's first call at most
-    that long."""
+    """The capture proxy's live session ids (its admin route `GET /capture/sessions`), read at most once per
+    recipe.GATEWAY_SESSION_READ_S however many made-up keys arrive; an unknown key waits for a read begun after it."""
 
     def __init__(self, client: httpx.AsyncClient, admin_key: str) -> None:
         self.client, self.headers = client, {"authorization": f"Bearer {admin_key}"}
         self.ids: frozenset[str] = frozenset()
-        self.began, self.ok = -math.inf, False
+        self.began, self.ok = -float("inf"), False
         self.lock = asyncio.Lock()
 
     async def read(self, since: float) -> bool:
@@ -94,7 +75,7 @@ class LiveSessions:
                 await asyncio.sleep(self.began + recipe.GATEWAY_SESSION_READ_S - time.monotonic())
                 self.began = time.monotonic()
                 try:
-                    # As long as the trainer gives the env server (its event loop stalls while Harbor sets a trial up).
+                    # The trainer's patience: the env server's loop stalls while Harbor sets a trial up.
                     reply = await self.client.get(f"{PREFIX}/sessions", headers=self.headers,
                                                   timeout=recipe.TASK_API_TIMEOUT_S)
                     self.ids = frozenset(s["session_id"] for s in reply.raise_for_status().json()["sessions"])
@@ -122,20 +103,19 @@ async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYT
 
 def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GATEWAY_BODY_TIMEOUT_S) -> Starlette:
     """The gateway as an ASGI app forwarding allowed paths to `upstream` (the env server's root URL)."""
-    # No read timeout (a MAX_TOKENS completion streams for minutes; the agent timeout bounds it) and no
-    # pool cap (concurrency is bounded by the env server's session limit, not here).
-    client = httpx.AsyncClient(
-        base_url=upstream.rstrip("/"), timeout=httpx.Timeout(30.0, read=None), limits=httpx.Limits(max_connections=None)
-    )
+    # No read timeout (a completion streams for minutes; the agent timeout bounds it), no pool cap (the env server's
+    # session limit bounds concurrency).
+    client = httpx.AsyncClient(base_url=upstream.rstrip("/"), timeout=httpx.Timeout(30.0, read=None),
+                               limits=httpx.Limits(max_connections=None))
     sessions = LiveSessions(client, admin_key)
 
     async def forward(request: Request) -> Response:
-        raw_path = (request.scope.get("raw_path") or request.url.path.encode()).decode("latin-1").split("?", 1)[0]
+        raw_path, query = request.scope["raw_path"].decode("latin-1"), request.scope["query_string"].decode("latin-1")
         if not forwardable(raw_path):
             return _refused(404, f"not found: only {PREFIX}/ is served on this port")
         # h11 stops a head past the cap while it arrives; one that arrived whole in a single read is stopped here.
-        head = request.scope.get("raw_path", b"") + request.scope.get("query_string", b"")
-        if len(head) + sum(len(k) + len(v) + 4 for k, v in request.scope["headers"]) > recipe.GATEWAY_MAX_HEAD_BYTES:
+        head = len(raw_path) + len(query) + sum(len(k) + len(v) + 4 for k, v in request.scope["headers"])
+        if head > recipe.GATEWAY_MAX_HEAD_BYTES:
             return _refused(431, f"request head over {recipe.GATEWAY_MAX_HEAD_BYTES} bytes")
         if request.method in ("GET", "HEAD") and raw_path == f"{PREFIX}/health":
             up = await sessions.read(time.monotonic() - recipe.GATEWAY_SESSION_READ_S)
@@ -153,11 +133,9 @@ def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GAT
             return _refused(408, f"request body not received within {body_timeout_s:g} s")
         if body is None:
             return _refused(413, f"request body over {recipe.CAPTURE_MAX_BODY_BYTES} bytes (CAPTURE_MAX_BODY_BYTES)")
-        query = request.scope.get("query_string", b"").decode("latin-1")
         headers = [(k, v) for k, v in request.headers.items() if k.lower() not in _HOP_BY_HOP]
-        upstream_request = client.build_request(
-            request.method, raw_path + (f"?{query}" if query else ""), headers=headers, content=body
-        )
+        target = raw_path + (f"?{query}" if query else "")
+        upstream_request = client.build_request(request.method, target, headers=headers, content=body)
         try:
             reply = await client.send(upstream_request, stream=True)
         except httpx.HTTPError as exc:
@@ -166,20 +144,13 @@ def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GAT
         done = BackgroundTask(reply.aclose)
         return StreamingResponse(reply.aiter_raw(), status_code=reply.status_code, headers=headers_out, background=done)
 
-    @contextlib.asynccontextmanager
-    async def lifespan(_app: Starlette) -> AsyncIterator[None]:
-        yield
-        await client.aclose()
-
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)], lifespan=lifespan)
+    return Starlette(routes=[Route("/{path:path}", forward, methods=methods)])
 
 
 class Connection(H11Protocol):
-    """uvicorn's h11 protocol (h11 caps the head: httptools does not) plus two limits uvicorn lacks. A deadline on
-    every head: uvicorn times nothing before a first request and stops its keep-alive timer at a next one's first byte.
-    A cap on idle connections (waiting for a head, refused, or kept alive), the longest-idle closed past it: uvicorn's
-    limit_concurrency instead answers 503 to every request past its count, the job's own sessions' included."""
+    """uvicorn's h11 protocol (h11 caps the head, httptools does not) plus a deadline on every head and a cap on idle
+    connections, the longest-idle closed past it (uvicorn's limit_concurrency would refuse the job's own sessions)."""
 
     idle: ClassVar[dict[Connection, None]] = {}  # oldest first
     limit: ClassVar[int] = recipe.GATEWAY_IDLE_CONNECTIONS
@@ -187,7 +158,6 @@ class Connection(H11Protocol):
 
     def connection_made(self, transport: Any) -> None:  # noqa: ANN401 - asyncio's own signature
         super().connection_made(transport)
-        self._deadline: asyncio.TimerHandle | None = None
         self._await_head()
         while len(self.idle) > self.limit:
             oldest = next(iter(self.idle))
@@ -195,22 +165,19 @@ class Connection(H11Protocol):
             oldest.transport.close()
 
     def _await_head(self) -> None:
-        self._release()
+        self.idle.pop(self, None)  # back in as the newest
         self.idle[self] = None
         self._deadline = self.loop.call_later(self.head_timeout_s, self.transport.close)
 
     def _release(self) -> None:
         self.idle.pop(self, None)
-        if self._deadline is not None:
-            self._deadline.cancel()
-            self._deadline = None
+        self._deadline.cancel()
 
     def handle_events(self) -> None:
         cycle = self.cycle
         super().handle_events()
-        if self.cycle is not cycle:  # a head arrived: its deadline is met; the request may claim the connection
-            if self._deadline is not None:
-                self._deadline.cancel()
+        if self.cycle is not cycle:  # a head arrived in time; a live session's request may claim the connection
+            self._deadline.cancel()
             self.cycle.scope.setdefault("extensions", {})[_OWN] = lambda: self.idle.pop(self, None)
 
     def on_response_complete(self) -> None:
@@ -224,14 +191,11 @@ class Connection(H11Protocol):
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--listen-host", default=os.environ.get("GATEWAY_HOST", "0.0.0.0"))
-    parser.add_argument("--listen-port", type=int, default=os.environ.get("GATEWAY_PORT", str(recipe.PUBLIC_PORT)))
-    parser.add_argument(
-        "--upstream",
-        default=os.environ.get("GATEWAY_UPSTREAM", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"),
-        help="the env server (capture mounted at /capture), on loopback",
-    )
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--listen-host", default="0.0.0.0")
+    parser.add_argument("--listen-port", type=int, default=recipe.PUBLIC_PORT)
+    parser.add_argument("--upstream", default=f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}",
+                        help="the env server (capture mounted at /capture), on loopback")
     args = parser.parse_args()
     admin_key = os.environ.get("OPENENV_CAPTURE_ADMIN_KEY", "")
     try:
@@ -240,11 +204,8 @@ def main() -> None:
                                      "the env server's admin key (serve_env.sh sets one for both)")
         Connection.head_timeout_s = recipe.knob("GATEWAY_HEAD_TIMEOUT")
         body_timeout_s = recipe.knob("GATEWAY_BODY_TIMEOUT")
-        # Room for the job's own connections and their upstream ones: idle connections get a quarter of the files.
-        files, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
-            files = hard
+        # Idle connections get a quarter of the open files: the rest are the job's own, and their upstream ones.
+        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         Connection.limit = min(recipe.knob("GATEWAY_IDLE_CONNECTIONS"), files // 4)
     except recipe.ConfigError as exc:
         sys.exit(f"capture_gateway.py: {exc}")

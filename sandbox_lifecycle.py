@@ -1,34 +1,18 @@
-"""Sandbox lifecycle in production: each backend's sandbox lifetime, per-rollout setup timing, trial folder cleanup.
-
-Lifetimes (env server side). OpenEnv 0.10.0 passes Harbor no environment kwargs (`build_trial_config`), and Harbor
-0.25's defaults outlive or undercut a trial: an HF Sandbox idles out after 600 s (huggingface_hub 1.33 does not count
-a running foreground command as activity, so an agent past 10 minutes loses it), a Daytona sandbox never stops
-(`auto_stop_interval_mins=0`: one orphaned by a crashed env server bills until deleted by hand), an E2B one lives a
-day. So `apply_idle_timeout()` wraps Harbor's `EnvironmentFactory.create_environment_from_config` in the env server's
-process (seam_patch.py serve) to add `lifetime_kwargs(backend)` to every trial's `EnvironmentConfig.kwargs` (explicit
-ones are kept; each trial's config.json records them): all bound a sandbox by recipe.SANDBOX_IDLE_TIMEOUT_S (the agent
-timeout, the setup budget and a margin), and a stopped Daytona sandbox is deleted. E2B builds a template per task
-(`{task}__{hash}`: 1,250 builds, the 8 rollouts of a group racing to build one); a prebuilt-image trial is pointed at
-one template per image and resources instead (`template_name`), built once at a time per env server. Patched there,
-not in OpenEnv: importing openenv.harbor.rollout takes seconds longer (gradio), and `seam_patch.py check` runs in
-every job. `verify_lifetime(backend)` builds a trial's environment as Harbor does and says what it will ask for.
-
-Timing and cleanup (trainer/eval side, after a rollout's trace is taken). `trial_timing(trial_dir)` reads Harbor's
-own result file (TrialResult) and returns each setup part in seconds; `finish_trial(trial_dir, failed=...)` removes a
-scored rollout's folder and keeps failed ones within recipe.FAILED_TRIALS_KEEP_MB.
-
-Harbor and OpenEnv are imported inside the functions: the launcher's smoke_report imports this module for its key
-names only.
+"""Sandbox lifecycle: each backend's sandbox lifetime and the shared E2B template (patched into Harbor in the env
+server's process by seam_patch.py serve), each rollout's setup timing and its trial folder's cleanup (trainer and eval
+side). Harbor and OpenEnv are imported inside the functions: smoke_report imports this module for its key names.
+What each lifetime and the template stop: docs/sandboxes.md.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import hashlib
+import os
 import re
 import shutil
-import stat
 import sys
 import threading
 from collections.abc import Callable, Mapping
@@ -41,12 +25,12 @@ import recipe
 # Per-rollout parts, in the order a trial meets them; a part Harbor did not reach is absent from a timing.
 TIMING_PARTS = ("sandbox_start_s", "healthcheck_s", "agent_setup_s", "agent_run_s", "verifier_s")
 AGENT_PART = "agent_run_s"
-# A rollout's setup: every part but the agent's own run (what ROLLOUT_SETUP_BUDGET_S budgets).
-SETUP_KEY = "setup_s"
-# Harbor's HFSandboxEnvironment constructor kwarg that becomes Sandbox.create(idle_timeout=...).
-IDLE_KWARG = "job_timeout"
-# Marks the wrapper so a second apply_idle_timeout() recognises it and changes nothing.
-_PATCHED = "_idle_timeout_patched"
+SETUP_KEY = "setup_s"  # every part but the agent's own run: what ROLLOUT_SETUP_BUDGET_S budgets
+IDLE_KWARG = "job_timeout"  # HFSandboxEnvironment's kwarg that becomes Sandbox.create(idle_timeout=...)
+# Where each lifetime kwarg lands on Harbor's environment (what verify_lifetime reads back).
+_LANDS_IN = {IDLE_KWARG: "_idle_timeout", "auto_stop_interval_mins": "_auto_stop_interval",
+             "auto_delete_interval_mins": "_auto_delete_interval", "sandbox_timeout_secs": "_sandbox_timeout"}
+_PATCHED = "_idle_timeout_patched"  # marks the wrapper: a second apply_idle_timeout() changes nothing
 
 
 def lifetime_kwargs(sandbox: str) -> dict[str, int]:
@@ -66,7 +50,7 @@ def template_name(image: str, cpus: float | None, memory_mb: int | None) -> str:
 
 
 class LifecycleShapeError(RuntimeError):
-    """The installed Harbor/OpenEnv/huggingface_hub are not the shape the idle-timeout patch was written against."""
+    """The installed Harbor is not the shape the lifetime patch was written against."""
 
 
 def setup_seconds(timing: Mapping[str, float]) -> float | None:
@@ -76,46 +60,19 @@ def setup_seconds(timing: Mapping[str, float]) -> float | None:
 
 
 # --- lifetimes: env server process ----------------------------------------------------------------------------------
-def _check_shapes() -> None:
-    """What the patch relies on, read off the installed packages; LifecycleShapeError otherwise."""
-    import inspect
-
-    from harbor.environments.factory import EnvironmentFactory, _load_environment_class
-    from harbor.models.environment_type import EnvironmentType
-    from huggingface_hub import Sandbox
-
-    for sandbox in recipe.SANDBOXES:
-        environment = _load_environment_class(EnvironmentType(sandbox))  # imports without the backend's SDK
-        taken = inspect.signature(environment.__init__).parameters
-        if missing := [kwarg for kwarg in lifetime_kwargs(sandbox) if kwarg not in taken]:
-            raise LifecycleShapeError(f"harbor's {environment.__name__} no longer takes {missing[0]!r}: the lifetime "
-                                      "patch needs updating for this harbor version")
-        if sandbox == "e2b" and not all(callable(getattr(environment, name, None)) for name in _E2B_TEMPLATE):
-            raise LifecycleShapeError(f"harbor's {environment.__name__} has no {' or '.join(_E2B_TEMPLATE)}: the "
-                                      "shared-template patch needs updating for this harbor version")
-    if "idle_timeout" not in inspect.signature(Sandbox.create).parameters:
-        raise LifecycleShapeError("huggingface_hub's Sandbox.create no longer takes idle_timeout: the idle-timeout "
-                                  "patch needs updating for this huggingface_hub version")
-    if "config" not in inspect.signature(EnvironmentFactory.create_environment_from_config).parameters:
-        raise LifecycleShapeError("harbor's EnvironmentFactory.create_environment_from_config no longer takes the "
-                                  "trial's environment config: the lifetime patch needs updating")
-
-
-# Harbor's E2BEnvironment.start(): `if force_build or not await self._does_template_exist(): self._create_template()`.
-_E2B_TEMPLATE = ("_does_template_exist", "_create_template")
 # (event loop, template) -> the lock its check-and-build holds: the env server runs every rollout on one loop.
 _TEMPLATE_LOCKS: dict[tuple[int, str], asyncio.Lock] = {}
 _TEMPLATES_READY: set[str] = set()
 
 
 def _share_template(environment: Any) -> None:
-    """Point a prebuilt-image E2B trial at its image's template, checked (and built if missing) under one lock per
-    template: E2B's alias exists as soon as a build starts, so a rollout that only checked would create its sandbox
-    from a template still building."""
+    """Point a prebuilt-image E2B trial at its image's template, checked and built under one lock per template: an
+    alias exists once its build starts, so a rollout that only checked would start from a template still building."""
     config = environment.task_env_config
     name = template_name(config.docker_image, environment._effective_cpus, environment._effective_memory_mb)
     environment._template_name = name
-    exists, build = (getattr(environment, attribute) for attribute in _E2B_TEMPLATE)
+    # Harbor's E2BEnvironment.start(): `if force_build or not await self._does_template_exist(): _create_template()`.
+    exists, build = environment._does_template_exist, environment._create_template
 
     async def ready() -> bool:
         lock = _TEMPLATE_LOCKS.setdefault((id(asyncio.get_running_loop()), name), asyncio.Lock())
@@ -130,16 +87,15 @@ def _share_template(environment: Any) -> None:
 
 def _with_idle_timeout(original: Callable[..., Any]) -> Callable[..., Any]:
     """Wrap Harbor's environment factory so a trial's config carries its backend's lifetime (lifetime_kwargs)."""
-    from harbor.models.environment_type import EnvironmentType
 
     @functools.wraps(original)
     def create_environment_from_config(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
         sandbox = config.type.value if config.type is not None and config.import_path is None else None
         if sandbox in recipe.SANDBOXES:
-            # On the trial's own config, so its config.json (written after this) records what was asked for.
+            # On the trial's own config: its config.json, written after this, records what was asked for.
             config.kwargs = {**lifetime_kwargs(sandbox), **config.kwargs}
         environment = original(config, *args, **kwargs)
-        if config.type == EnvironmentType.E2B and sandbox and environment.task_env_config.docker_image:
+        if sandbox == "e2b" and environment.task_env_config.docker_image:
             _share_template(environment)
         return environment
 
@@ -149,8 +105,7 @@ def _with_idle_timeout(original: Callable[..., Any]) -> Callable[..., Any]:
 
 def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
     """Build a `sandbox` environment through Harbor's factory as a trial does (nothing starts) and say what its start
-    will ask the backend for; LifecycleShapeError if that is not the recipe's lifetime (the patch is not in effect).
-    Daytona and E2B need their SDK installed here (the job's install step adds it)."""
+    will ask the backend for; LifecycleShapeError if that is not the recipe's lifetime, or Harbor changed shape."""
     import tempfile
 
     from harbor.environments.factory import EnvironmentFactory
@@ -166,13 +121,13 @@ def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
                 environment_name="probe", session_id="probe__env", trial_paths=TrialPaths(Path(probe)),
                 task_env_config=TaskEnvironmentConfig(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS,
                                                       memory_mb=recipe.TASK_MEMORY_MB))
+            asked = {kwarg: getattr(environment, _LANDS_IN[kwarg]) for kwarg in lifetime_kwargs(sandbox)}
         except ImportError as error:  # Harbor's MissingExtraError: the backend's SDK is not installed
             raise LifecycleShapeError(f"SANDBOX={sandbox} needs its SDK ({str(error).splitlines()[0]}): pip install -r "
                                       f"{recipe.SANDBOXES[sandbox]['requirements']}") from None
-    asked = {"hf-sandbox": lambda: {IDLE_KWARG: environment._idle_timeout},
-             "daytona": lambda: {"auto_stop_interval_mins": environment._auto_stop_interval,
-                                 "auto_delete_interval_mins": environment._auto_delete_interval},
-             "e2b": lambda: {"sandbox_timeout_secs": environment._sandbox_timeout}}[sandbox]()
+        except (AttributeError, TypeError) as error:
+            raise LifecycleShapeError(f"harbor's {sandbox} environment changed shape ({error}): the lifetime patch "
+                                      "needs updating for this harbor version") from None
     if asked != lifetime_kwargs(sandbox):
         raise LifecycleShapeError(f"a {sandbox} trial would ask for {asked}, not {lifetime_kwargs(sandbox)}: the "
                                   "lifetime patch is not in effect")
@@ -180,9 +135,6 @@ def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
         return (f"{sandbox} trials ask for auto_stop_interval={asked['auto_stop_interval_mins']} min and "
                 "auto_delete_interval=0 (deleted once stopped)")
     if sandbox == "e2b":
-        if environment._template_name != template_name(recipe.TASK_IMAGE, recipe.TASK_CPUS, recipe.TASK_MEMORY_MB):
-            raise LifecycleShapeError(f"an e2b trial would build template {environment._template_name}, one per task: "
-                                      "the shared-template patch is not in effect")
         return (f"{sandbox} trials ask for timeout={asked['sandbox_timeout_secs']} s; every task of "
                 f"{recipe.TASK_IMAGE} uses template {environment._template_name}")
     return f"{sandbox} trials ask for idle_timeout={asked[IDLE_KWARG]} s"
@@ -194,10 +146,8 @@ def apply_idle_timeout() -> bool:
 
     if getattr(EnvironmentFactory.create_environment_from_config, _PATCHED, False):
         return False
-    _check_shapes()
     original = EnvironmentFactory.create_environment_from_config  # bound to the class
     EnvironmentFactory.create_environment_from_config = classmethod(_with_idle_timeout(original))
-    verify_lifetime("hf-sandbox")  # the one backend whose SDK every install has
     return True
 
 
@@ -208,12 +158,8 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 
 def trial_timing(trial_dir: Path) -> dict[str, float]:
     """Seconds per part of one Harbor trial, from its result file; {} if Harbor wrote none (or it is unreadable).
-
-    Harbor 0.25 times environment setup (the sandbox start), agent setup (OpenCode's install), agent execution and
-    the verifier; the healthcheck (the task's data pull) runs between environment setup and agent setup, so it is
-    that gap -- or, when the healthcheck itself failed, the time to the failure. One line per rollout goes to stderr:
-    TRL's rollout child is a spawned process without logging set up, and its stderr reaches the job's log.
-    """
+    Harbor does not time the healthcheck (the task's data pull): it is the gap before agent setup, or to its failure.
+    The line per rollout goes to stderr: TRL's rollout child has no logging set up, its stderr reaches the job's log."""
     from harbor.environments.base import HealthcheckError
     from harbor.models.trial.paths import TrialPaths
     from harbor.models.trial.result import TrialResult
@@ -249,15 +195,10 @@ def trial_timing(trial_dir: Path) -> dict[str, float]:
 def _size_bytes(folder: Path) -> int:
     """Bytes of the files under `folder`; files removed meanwhile (another rollout's cleanup) count as nothing."""
     total = 0
-    try:
-        for path in folder.rglob("*"):
-            try:
-                info = path.lstat()
-            except OSError:
-                continue
-            total += 0 if stat.S_ISDIR(info.st_mode) else info.st_size
-    except OSError:
-        pass
+    for root, _folders, files in os.walk(folder):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
     return total
 
 
@@ -294,13 +235,8 @@ _PRUNE_LOCK = threading.Lock()
 
 def finish_trial(trial_dir: Path, *, failed: bool, session_key: str = "") -> None:
     """Call once a rollout's trace and timing are taken: a scored rollout's trial folder is removed; a failed one's
-    is kept, its `session_key` redacted, and the finished trials next to it are pruned to
-    recipe.FAILED_TRIALS_KEEP_MB, newest kept first.
-
-    Finished means Harbor wrote the trial's result file, so a trial still running is never touched; the prune also
-    takes the folders of rollouts whose call was lost (their client never learnt the trial's name). A folder that is
-    not a trial's (missing, or no config.json) changes nothing.
-    """
+    is kept, its `session_key` redacted, and the finished trials beside it (a lost call's too; never a running one)
+    are pruned to recipe.FAILED_TRIALS_KEEP_MB, newest first."""
     from harbor.models.trial.paths import TrialPaths
 
     trial_dir = Path(trial_dir)

@@ -1,16 +1,7 @@
-"""Make OpenCode send its capture session as `x-api-key` too, then (optionally) serve the env server.
-
-The HF Jobs proxy strips `Authorization`, so OpenCode's `Bearer <session>` never reaches the capture
-proxy and every model call gets 401. The proxy also reads `x-api-key`, and OpenCode's
-`@ai-sdk/openai-compatible` provider sends `options.headers` in addition to the Bearer. So the opencode
-seam of the installed openenv 0.10.0 is wrapped in-process to add `headers: {"x-api-key": session}`
-next to the `apiKey` it already sets (kept: where nothing strips it, the Bearer is read first and is
-the session too). No installed file is edited; the env server is started through this module so the
-patch lives in the process that resolves seams. The same process also gets each backend's sandbox lifetime
-(sandbox_lifecycle.apply_idle_timeout), since it is the only one that builds Harbor environments, and, for
-SANDBOX=daytona|e2b, Harbor's own preflight() of that backend (its key) and a check that its SDK is installed. It also
-reports in each rollout's result how many of its model calls failed at the engine (the capture proxy counts them in
-the same process, openenv 0.10's result leaves them out: recipe.UPSTREAM_FINDING).
+"""The env server's in-process patches, applied before it starts: OpenCode also sends its capture session as
+`x-api-key` (the HF Jobs proxy strips `Authorization`), every trial gets its backend's sandbox lifetime
+(sandbox_lifecycle), daytona/e2b pass Harbor's own preflight, and each rollout's result counts its model calls that
+failed at the engine (openenv 0.10 leaves them out: recipe.UPSTREAM_FINDING). No installed file is edited.
 
     python3 seam_patch.py check                                  # apply + verify, one line each
     python3 seam_patch.py serve -- harbor serve --llm-url ...    # apply, verify, run `openenv ...`
@@ -30,8 +21,7 @@ import sandbox_lifecycle
 
 HARNESS = "opencode"
 HEADER = "x-api-key"
-# Marks the wrapper so a second apply() recognises it and changes nothing.
-_PATCHED = "_x_api_key_patched"
+_PATCHED = "_x_api_key_patched"  # marks a wrapper: a second apply changes nothing
 
 
 class SeamShapeError(RuntimeError):
@@ -39,17 +29,11 @@ class SeamShapeError(RuntimeError):
 
 
 def _provider_options(config: dict[str, Any]) -> dict[str, Any]:
-    """`opencode_config.provider.<OPENCODE_PROVIDER>.options`, or SeamShapeError naming what is missing."""
     try:
-        options = config["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
+        return config["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
     except (KeyError, TypeError):
-        raise SeamShapeError(
-            f"openenv's {HARNESS} seam no longer returns opencode_config.provider."
-            f"{seams.OPENCODE_PROVIDER}.options: the x-api-key patch needs updating for this openenv version"
-        ) from None
-    if not isinstance(options, dict):
-        raise SeamShapeError(f"openenv's {HARNESS} seam provider options are {type(options).__name__}, not a dict")
-    return options
+        raise SeamShapeError(f"openenv's {HARNESS} seam no longer returns opencode_config.provider."
+                             f"{seams.OPENCODE_PROVIDER}.options: the x-api-key patch needs updating") from None
 
 
 def _with_header(original: Any) -> Any:
@@ -58,8 +42,6 @@ def _with_header(original: Any) -> Any:
     def kwargs(base_url: str, session: str, model: str) -> dict[str, Any]:
         config = original(base_url, session, model)
         options = _provider_options(config)
-        if options.get("apiKey") != session:
-            raise SeamShapeError(f"openenv's {HARNESS} seam no longer sets options.apiKey to the capture session")
         options["headers"] = {**(options.get("headers") or {}), HEADER: session}
         return config
 
@@ -68,14 +50,19 @@ def _with_header(original: Any) -> Any:
 
 
 def apply() -> bool:
-    """Patch the opencode seam in this process. Returns True if it changed something, False if already done."""
+    """Patch the opencode seam in this process and resolve it as a rollout does; False if already done."""
     seam = seams.SEAMS.get(HARNESS)
-    if seam is None or not callable(getattr(seam, "kwargs", None)):
-        raise SeamShapeError(f"openenv.harbor.seams has no {HARNESS!r} seam with a kwargs builder; cannot patch it")
+    if seam is None:
+        raise SeamShapeError(f"openenv.harbor.seams has no {HARNESS!r} seam; cannot patch it")
     if getattr(seam.kwargs, _PATCHED, False):
         return False
     seams.SEAMS[HARNESS] = replace(seam, kwargs=_with_header(seam.kwargs))
-    verify()
+    probe = "probe-session"
+    _model, kwargs, _agent_env, _proc_env = seams.get(HARNESS).resolve(
+        base_url="https://example.invalid/capture", session=probe, model="org/model")
+    options = _provider_options(kwargs)
+    if options.get("apiKey") != probe or options["headers"].get(HEADER) != probe:
+        raise SeamShapeError(f"the {HARNESS} seam does not carry the session as both apiKey and {HEADER}")
     return True
 
 
@@ -95,25 +82,13 @@ def _with_upstream_errors(export: Any) -> Any:
 
 
 def apply_upstream_report() -> bool:
-    """Patch openenv.harbor.rollout's export_session in this process. Returns True if it changed something."""
+    """Patch openenv.harbor.rollout's export_session in this process; False if already done."""
     from openenv.harbor import rollout
 
     if getattr(rollout.export_session, _PATCHED, False):
         return False
     rollout.export_session = _with_upstream_errors(rollout.export_session)
     return True
-
-
-def verify() -> dict[str, Any]:
-    """Resolve the opencode seam the way a rollout does and check both keys carry the session."""
-    probe = "probe-session"
-    _model, kwargs, _agent_env, _proc_env = seams.get(HARNESS).resolve(
-        base_url="https://example.invalid/capture", session=probe, model="org/model"
-    )
-    options = _provider_options(kwargs)
-    if options.get("apiKey") != probe or (options.get("headers") or {}).get(HEADER) != probe:
-        raise SeamShapeError(f"the {HARNESS} seam does not carry the session as both apiKey and {HEADER}")
-    return options
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -124,7 +99,6 @@ def main(argv: list[str] | None = None) -> None:
     try:
         sandbox = recipe.knob("SANDBOX")
         apply()
-        verify()
         sandbox_lifecycle.apply_idle_timeout()
         if sandbox != recipe.SANDBOX:  # hf-sandbox's HF_TOKEN is the job's own first check
             from harbor.environments.factory import EnvironmentFactory

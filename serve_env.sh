@@ -1,31 +1,15 @@
 #!/usr/bin/env bash
-# The OpenEnv Harbor env server (task API + capture proxy) and the capture gateway on the public port.
-# Runs in the foreground until the env server exits, or the gateway exits more often in a row than it may be restarted
-# (then stops the other and exits non-zero); callers background it, e.g. `start_bg env_server bash serve_env.sh`.
+# The OpenEnv Harbor env server (task API + capture proxy) on loopback, and capture_gateway.py on the public port,
+# which forwards only /capture/... to it. Runs in the foreground until the env server exits, or the gateway exits more
+# often in a row than GATEWAY_RESTARTS (then stops the other and exits non-zero); callers background it.
 #
 #   DATASETS=/tmp/lfm-job/tasks/train SPACE_HOST=<job-id>--<PUBLIC_PORT>.hf.jobs bash serve_env.sh
 #   DRY_RUN=1 ... bash serve_env.sh         # print both commands and their environment only
 #
-# Ports: the env server (task API, capture mounted at /capture) listens on ENV_HOST:ENV_PORT, loopback.
-# capture_gateway.py listens on PUBLIC_HOST:PUBLIC_PORT (the port the job exposes) and forwards only
-# /capture/... to it, so the task API and vLLM are never reachable from outside the job.
-#
-# Environment (defaults from recipe.py):
-#   DATASETS                 required: space-separated prepared task folders (prepare_tasks.py --out ...).
-#   SPACE_HOST               required: public host that reaches PUBLIC_PORT (https://$SPACE_HOST/capture is
-#                            handed to the sandboxes), e.g. <job-id>--<PUBLIC_PORT>.hf.jobs.
-#   POLICY_URL=http://<LOOPBACK>:<VLLM_PORT>   the vLLM the capture proxy forwards to (must be up).
-#   MODEL=<SERVED_MODEL_NAME>                   the name vLLM serves the policy under.
-#   SANDBOX=<SANDBOX>        hf-sandbox, daytona or e2b, with its key (HF_TOKEN; DAYTONA_API_KEY; E2B_API_KEY):
-#                            checked here because this process runs the sandboxes (docs/sandboxes.md).
-#   ENV_HOST=<LOOPBACK>  ENV_PORT=<ENV_PORT>    env server; non-loopback needs ALLOW_NON_LOOPBACK=1.
-#   PUBLIC_HOST=0.0.0.0  PUBLIC_PORT=<PUBLIC_PORT>   capture gateway.
-#   MAX_CONCURRENT_ENVS=<ENV_MAX_SESSIONS>      env server sessions at once (OpenEnv's default of 4 fails rollouts).
-#   OPENCODE_VERSION=<OPENCODE_VERSION>         OpenCode release installed in the sandboxes.
-#   OPENENV_CAPTURE_ADMIN_KEY  optional: key for the capture session routes (random when unset); the gateway reads
-#                            the live sessions with it.
-#   GATEWAY_HEAD_TIMEOUT  GATEWAY_BODY_TIMEOUT  GATEWAY_IDLE_CONNECTIONS   the gateway's limits (recipe.py GATEWAY_*).
-#   GATEWAY_RESTARTS=<GATEWAY_RESTARTS>   a gateway that exits is restarted, this many times in a row at most.
+# Knobs (defaults from recipe.py; what each is: docs/jobs.md "The servers"): DATASETS and SPACE_HOST (required),
+# POLICY_URL, MODEL, SANDBOX (and its key), ENV_HOST, ENV_PORT, PUBLIC_HOST, PUBLIC_PORT, MAX_CONCURRENT_ENVS,
+# OPENCODE_VERSION, OPENENV_CAPTURE_ADMIN_KEY, GATEWAY_HEAD_TIMEOUT, GATEWAY_BODY_TIMEOUT, GATEWAY_IDLE_CONNECTIONS,
+# GATEWAY_RESTARTS, ALLOW_NON_LOOPBACK.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -48,12 +32,6 @@ server_cmd() {
   for dataset in $DATASETS; do printf '%s\n' --dataset "$dataset"; done
 }
 
-# Prints the gateway command, one argument per line.
-gateway_cmd() {
-  printf '%s\n' "$PYTHON" "$HERE/capture_gateway.py" --listen-host "$PUBLIC_HOST" --listen-port "$PUBLIC_PORT" \
-    --upstream "http://$ENV_HOST:$ENV_PORT"
-}
-
 check_inputs() {
   [ -n "${DATASETS:-}" ] || die "DATASETS is not set: point it at the task folders prepare_tasks.py wrote"
   local dataset
@@ -61,8 +39,8 @@ check_inputs() {
     for dataset in $DATASETS; do [ -d "$dataset" ] || die "DATASETS entry $dataset is not a folder: run prepare_tasks.py first"; done
   fi
   [ -n "${SPACE_HOST:-}" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
-  env_knobs SPACE_HOST
-  env_knobs ALLOW_NON_LOOPBACK GATEWAY_HEAD_TIMEOUT GATEWAY_BODY_TIMEOUT GATEWAY_IDLE_CONNECTIONS GATEWAY_RESTARTS
+  env_knobs SPACE_HOST ALLOW_NON_LOOPBACK GATEWAY_HEAD_TIMEOUT GATEWAY_BODY_TIMEOUT GATEWAY_IDLE_CONNECTIONS \
+    GATEWAY_RESTARTS
   if [ "$ENV_HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
     die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"
   fi
@@ -82,7 +60,8 @@ main() {
   local -a env_vars server gateway
   mapfile -t env_vars < <(server_env)
   mapfile -t server < <(server_cmd)
-  mapfile -t gateway < <(gateway_cmd)
+  gateway=("$PYTHON" "$HERE/capture_gateway.py" --listen-host "$PUBLIC_HOST" --listen-port "$PUBLIC_PORT"
+           --upstream "http://$ENV_HOST:$ENV_PORT")
   if dry_run; then
     show_cmd env "${env_vars[@]}" "${server[@]}"
     show_cmd "${gateway[@]}"

@@ -6,32 +6,14 @@
 #   LORA=1 GPU=0 bash serve_policy.sh             # eval: base model + runtime-loaded LoRA adapters
 #   DRY_RUN=1 bash serve_policy.sh                # print the command and its environment only
 #
-# Environment (defaults from recipe.py):
-#   GPU=<VLLM_GPU>           CUDA device vLLM runs on (must be listed by nvidia-smi).
-#   HOST=<LOOPBACK>          bind address. Anything else needs ALLOW_NON_LOOPBACK=1: with VLLM_SERVER_DEV_MODE
-#                            the weight-update endpoints have no authentication.
-#   PORT=<VLLM_PORT>         port (must be free).
-#   MODEL=<BASE_MODEL>  REVISION=<BASE_MODEL_REVISION> (weights, config and tokenizer: --revision and
-#   --tokenizer-revision)  SERVED_NAME=<SERVED_MODEL_NAME>
-#   MAX_MODEL_LEN=<MAX_MODEL_LEN>   context for a whole agent conversation (MAX_TOOL_CALLING_ITERATIONS calls).
-#   LORA=0                   1 = eval mode: --enable-lora --max-lora-rank <LORA_R> --max-loras $MAX_LORAS and
-#                            VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (/v1/load_lora_adapter); no weight transfer.
-#                            0 = training mode: --weight-transfer-config '{"backend":"nccl"}' + VLLM_SERVER_DEV_MODE=1.
-#   Yes/no knobs (LORA, ALLOW_NON_LOOPBACK, DRY_RUN) take 1/true/yes/on or 0/false/no/off, any case.
-#   MAX_LORAS=1              adapters resident at once in LoRA mode.
-#   LORA_MODULES=            LoRA mode only: "name=path_or_repo" adapters to load at start (--lora-modules).
-#   VLLM=vllm                the vllm executable.
-#   CHAT_TEMPLATE=$LOG_DIR/chat_template.jinja   where chat_template.py writes the template vLLM is given.
-# Always on: --return-tokens-as-token-ids --logprobs-mode processed_logprobs (token-faithful capture),
-# --enable-auto-tool-choice --tool-call-parser lfm2 (OpenCode always sends tool_choice="auto"; without them
-# every call is a 400), --generation-config vllm (the model's generation_config cannot narrow sampling),
-# --chat-template (chat_template.py's checked template, the trainer's too: the model repo's own opens <think> in
-# the generation prompt, which forked every rollout into one training row per turn).
+# Knobs (defaults from recipe.py; what each is and why the fixed flags are on: docs/jobs.md "The servers"): GPU,
+# HOST (other than loopback needs ALLOW_NON_LOOPBACK=1: the weight-update endpoints have no authentication), PORT,
+# MODEL, REVISION, SERVED_NAME, MAX_MODEL_LEN, LORA, MAX_LORAS, LORA_MODULES, VLLM, CHAT_TEMPLATE.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-# Prints the vLLM command line, one argument per line (read into an array by the caller).
+# Prints the vLLM command line, one argument per line.
 vllm_args() {
   local model="${MODEL:-$(recipe BASE_MODEL)}" revision="${REVISION:-$(recipe BASE_MODEL_REVISION)}"
   printf '%s\n' "${VLLM:-vllm}" serve "$model" \

@@ -370,7 +370,7 @@ def test_space_host_is_kept_as_a_bare_host_and_a_sane_combination_passes() -> No
 # Values that once crashed `--help` with a raw ValueError, and others each entry point reads.
 BAD_ENV = {"N_TASKS": "abc", "EVAL_CONCURRENCY": "x", "MAX_IDLE_HOURS": "six", "MAX_STEPS": "lots",
            "SAVE_STEPS": "abc", "CHECKPOINT": "ckpt", "DRY_RUN": "maybe", "RESUME": "maybe", "WEIGHT_SYNC": "fast",
-           "STALL_MINUTES": "abc", "GATEWAY_PORT": "x", "MERGED_DTYPE": "int3", "BUNDLE_DIR": "/no/such/dir"}
+           "STALL_MINUTES": "abc", "MERGED_DTYPE": "int3", "BUNDLE_DIR": "/no/such/dir"}
 
 
 @pytest.mark.parametrize("script", ["eval_watch.py", "eval_adapter.py", "train_lora.py", "launch.py",

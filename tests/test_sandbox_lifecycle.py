@@ -186,6 +186,28 @@ def test_the_env_server_runs_harbors_own_preflight_for_its_backend(sandbox, keys
     assert said in (out.stdout if out.returncode == 0 else out.stderr.strip()) and out.stderr.count("\n") <= 1
 
 
+@pytest.mark.parametrize(("drift", "said"), [
+    ("ignores", f"a hf-sandbox trial would ask for {{'job_timeout': {hf_sandbox._DEFAULT_IDLE_TIMEOUT}}}, not "
+                f"{{'job_timeout': {recipe.SANDBOX_IDLE_TIMEOUT_S}}}: the lifetime patch is not in effect"),
+    ("renames", "harbor's hf-sandbox environment changed shape ('HFSandboxEnvironment' object has no attribute "
+                "'_idle_timeout')")])
+def test_a_harbor_that_drops_the_lifetime_stops_the_env_server_in_one_line(env_server_process, monkeypatch, drift,
+                                                                           said):
+    """A Harbor whose environment ignores the lifetime kwarg (it takes **kwargs) or keeps it elsewhere: the check the
+    env server runs at start (seam_patch.py) names it, rather than a sandbox idling out under a running agent."""
+    harbors_init = hf_sandbox.HFSandboxEnvironment.__init__
+
+    def drifted(self, *args, job_timeout=None, **kwargs):
+        harbors_init(self, *args, job_timeout=None if drift == "ignores" else job_timeout, **kwargs)
+        if drift == "renames":
+            del self._idle_timeout
+
+    monkeypatch.setattr(hf_sandbox.HFSandboxEnvironment, "__init__", drifted)
+    with pytest.raises(sandbox_lifecycle.LifecycleShapeError) as error:
+        sandbox_lifecycle.verify_lifetime("hf-sandbox")
+    assert said in str(error.value) and "\n" not in str(error.value)
+
+
 def test_seam_patch_check_says_the_idle_timeout_it_set(env_server_process, capsys):
     seam_patch.main(["check"])  # again: a second check changes nothing and says the same
     assert f"{recipe.SANDBOX} trials ask for idle_timeout={recipe.SANDBOX_IDLE_TIMEOUT_S} s" in capsys.readouterr().out
