@@ -56,9 +56,6 @@ TEST_REVISION = "b130595b579fc6026ad5762925a9a3b40e72f5bb"
 TRAIN_MEDIUM = 400
 TRAIN_HARD = 600
 TEST_TASKS = 250
-# data/train.json and data/test.json are the lineage's own lists (data/README.md). `prepare_tasks.py freeze`
-# selects lists for other revisions or task pools, in an order seeded by this.
-FREEZE_SEED = 20260101
 # SHA-256 of every task's tests/grader.py at the pinned revisions (the lineage's corrected, numeric-only
 # grader); a task whose grader differs would score answers differently and is refused.
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
