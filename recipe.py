@@ -309,10 +309,6 @@ PUSH_BACKOFF_S = 30.0
 # huggingface_hub does not retry it. A commit's files are uploaded before its commit call, so the call that holds
 # the repo takes seconds: first wait 5 s, doubled (5+10+20+40 s over PUSH_RETRIES attempts) outlasts a queue of them.
 CONFLICT_BACKOFF_S = 5.0
-# A compare-and-swap that lost (HTTP 412: another writer committed first), or a head read that still answers a head
-# this writer saw superseded (repo_info can lag right after a commit): wait before reading the head again, first
-# 2 s, doubled (2+4+8+16 s), instead of rebuilding at once against the same stale answer.
-CAS_BACKOFF_S = 2.0
 
 # Trainer weight-sync modes (train_weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
 WEIGHT_SYNC_MODES = ("merge_free", "stock")
