@@ -41,6 +41,7 @@ CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
 SMOKE_SUFFIX = "-smoke"
 SMOKE_RUN_PATH = "smoke_run.json"
 _WATCH_RESULTS = re.compile(rf"^{WATCH_DIR}/({CHECKPOINT_PATTERN})\.json$")
+_MARKER = re.compile(rf"^({CHECKPOINT_PREFIX}\d+)/{re.escape(COMPLETE_MARKER)}$")
 
 
 def checkpoint_name(step: int) -> str:
@@ -55,14 +56,9 @@ def adapter_folder(checkpoint: str) -> str:
 def complete_checkpoints(files: Iterable[str]) -> list[int]:
     """Steps N whose checkpoint-N/ holds the completion marker and the adapter, oldest first."""
     present = set(files)
-    steps = []
-    for path in present:
-        folder, _, name = path.partition("/")
-        step = folder.removeprefix(CHECKPOINT_PREFIX)
-        if name == COMPLETE_MARKER and folder.startswith(CHECKPOINT_PREFIX) and step.isdigit() and {
-                f"{folder}/{file}" for file in ADAPTER_FILES} <= present:
-            steps.append(int(step))
-    return sorted(steps)
+    folders = [m.group(1) for m in map(_MARKER.match, present) if m]
+    return sorted(int(folder.removeprefix(CHECKPOINT_PREFIX)) for folder in folders
+                  if all(f"{folder}/{name}" in present for name in ADAPTER_FILES))
 
 
 def refuse_fresh_start(repo_id: str, files: Iterable[str]) -> None:
@@ -169,8 +165,8 @@ def with_retries[T](what: str, action: Callable[[], T], *, backoff_s: float = re
         except Exception as error:  # noqa: BLE001 - sorted below: retried, or reported in one line
             status = http_status(error)
             raced = status in (409, 412) or isinstance(error, StaleHead)
-            if not raced and not (status in (408, 429) or (status or 0) >= 500 or (
-                    status is None and isinstance(error, _transport_errors()))):
+            blip = status in (408, 429) or (status or 0) >= 500 or isinstance(error, _transport_errors())
+            if not (raced or blip):
                 hint = f": {_HINTS[status]}" if status in _HINTS else ""
                 raise PushError(f"{what} failed ({describe(error)}){hint}") from error
             if attempt == recipe.PUSH_RETRIES:

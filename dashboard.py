@@ -22,10 +22,6 @@ LOCAL = recipe.NO_SPACE
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
 
 
-def reporter(env: Mapping[str, str]) -> str:
-    return recipe.knob("REPORT_TO", env)
-
-
 def space(env: Mapping[str, str]) -> str | None:
     """The dashboard Space: a name (Trackio puts it under the token's owner) or owner/name; None logs locally only."""
     value = recipe.knob("DASHBOARD_SPACE", env)
@@ -153,4 +149,4 @@ class EvalDashboard:
 
 def for_eval(adapter_repo: str, kind: str, env: Mapping[str, str]) -> EvalDashboard | None:
     """The eval's dashboard when the reporter is Trackio (evals log to no other dashboard)."""
-    return EvalDashboard(adapter_repo, kind, env) if reporter(env) == "trackio" else None
+    return EvalDashboard(adapter_repo, kind, env) if recipe.knob("REPORT_TO", env) == "trackio" else None

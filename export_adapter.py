@@ -189,47 +189,50 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
          make_api: Callable[[str | None], Any] | None = None,
          stored_token: Callable[[], str | None] | None = None) -> int:
     """CLI entry point; tests inject the environment, a Hub double and the stored-token lookup."""
+    env = dict(os.environ if env is None else env)
+    args = parse_args(argv, env)
+    return adapter_repo.run_cli(SCRIPT, lambda: export(args, env, make_api, stored_token), env)
+
+
+def export(args: argparse.Namespace, env: dict[str, str], make_api: Callable[[str | None], Any] | None,
+           stored_token: Callable[[], str | None] | None) -> None:
+    """Check, then write (or print the plan), then push; a failed push keeps everything written and says how to
+    upload it."""
     import huggingface_hub
     from huggingface_hub import constants
 
-    env = dict(os.environ if env is None else env)
-    args = parse_args(argv, env)
-    try:
-        recipe.knob("DEBUG", env)
-        checked_args(args)
-        token = env.get("HF_TOKEN", "").strip() or (stored_token or huggingface_hub.get_token)()
-        if not args.local_dir and not token:
-            raise ConfigError("pushing needs a write token: export HF_TOKEN=hf_... or run `hf auth login`")
-        if args.dry_run:
-            revision = base_revision(args.base_model)
-            print(json.dumps({"source": args.source, "checkpoint": args.checkpoint,
-                              **({"write": args.local_dir} if args.local_dir else {"push": [
-                                  args.target, *([merged_repo(args)] if args.merged else [])]}),
-                              **({"merged_dtype": args.merged_dtype,
-                                  "base_model": f"{args.base_model}{f'@{revision}' if revision else ''}"}
-                                 if args.merged else {})}, indent=1))
-            return 0
-        merge_from_hub = args.merged and not Path(args.base_model).is_dir()
-        needs_hub = not args.local_dir or not Path(args.source).is_dir() or merge_from_hub
-        api = (make_api or (lambda tok: huggingface_hub.HfApi(token=tok)))(token) if needs_hub else None
-        if merge_from_hub and not constants.HF_HUB_OFFLINE:
-            # ask for the base now: a wrong id or no network fails in a second, not after its download's retries
-            api.model_info(args.base_model, revision=base_revision(args.base_model))
-    except Exception as err:  # noqa: BLE001 - one line: what failed, the likely cause, the fix (DEBUG=1: traceback)
-        return adapter_repo.report_failure(SCRIPT, err, env)
+    checked_args(args)
+    token = env.get("HF_TOKEN", "").strip() or (stored_token or huggingface_hub.get_token)()
+    if not args.local_dir and not token:
+        raise ConfigError("pushing needs a write token: export HF_TOKEN=hf_... or run `hf auth login`")
+    repos = [(args.target, "adapter")] + ([(merged_repo(args), "merged")] if args.merged else [])
+    if args.dry_run:
+        revision = base_revision(args.base_model)
+        print(json.dumps({"source": args.source, "checkpoint": args.checkpoint,
+                          **({"write": args.local_dir} if args.local_dir else {"push": [r for r, _ in repos]}),
+                          **({"merged_dtype": args.merged_dtype,
+                              "base_model": f"{args.base_model}{f'@{revision}' if revision else ''}"}
+                             if args.merged else {})}, indent=1))
+        return
+    merge_from_hub = args.merged and not Path(args.base_model).is_dir()
+    needs_hub = not args.local_dir or not Path(args.source).is_dir() or merge_from_hub
+    api = (make_api or (lambda tok: huggingface_hub.HfApi(token=tok)))(token) if needs_hub else None
+    if merge_from_hub and not constants.HF_HUB_OFFLINE:
+        # ask for the base now: a wrong id or no network fails in a second, not after its download's retries
+        api.model_info(args.base_model, revision=base_revision(args.base_model))
     work = Path(tempfile.mkdtemp(prefix="export-adapter-"))
     out = Path(args.local_dir) if args.local_dir else work / "out"
     try:
         write(args, api, work / "source", out)
-    except Exception as err:  # noqa: BLE001 - nothing worth keeping yet: the temp folder goes, the line stays
-        shutil.rmtree(work)
-        return adapter_repo.report_failure(SCRIPT, err, env)
+    except BaseException:
+        shutil.rmtree(work)  # nothing worth keeping yet
+        raise
     shutil.rmtree(work / "source", ignore_errors=True)  # the downloaded copy: everything needed is in `out`
     if args.local_dir:
         shutil.rmtree(work)
         print(f"wrote {out / 'adapter'}" + (f" and {out / 'merged'}" if args.merged else ""))
-        return 0
-    pending = [(args.target, out / "adapter")] + ([(merged_repo(args), out / "merged")] if args.merged else [])
+        return
+    pending = [(repo_id, out / folder) for repo_id, folder in repos]
     try:
         while pending:
             repo_id, folder = pending[0]
@@ -237,13 +240,12 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
             adapter_repo.push_folder(api, repo_id, folder, "")
             print(f"pushed {folder.name} to https://huggingface.co/{repo_id}")
             pending.pop(0)
-    except Exception as err:  # noqa: BLE001 - the written cards and weights stay on disk: nothing is lost
+    except Exception as err:  # the written cards and weights stay on disk: nothing is lost
         private = " --private" if args.private else ""
         upload = " and ".join(f"`.venv/bin/hf upload {repo} {folder}{private}`" for repo, folder in pending)
-        return adapter_repo.report_failure(SCRIPT, err, env, f"everything is kept in {out}: upload it with {upload}, "
-                                                             f"then delete {work}")
+        raise adapter_repo.Failure(f"{adapter_repo.failure_line(err)[0]}; everything is kept in {out}: upload it "
+                                   f"with {upload}, then delete {work}") from err
     shutil.rmtree(work)
-    return 0
 
 
 if __name__ == "__main__":
