@@ -218,9 +218,9 @@ def failure_line(error: BaseException) -> tuple[str, int]:
             "cause is not yours to fix"), 1
 
 
-def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None, then: str = "") -> int:
-    """Print `error` on stderr as one line (`then` appended), the traceback before it only with DEBUG=1; return
-    the exit code. A 70-line traceback buries the one fact a user needs; DEBUG=1 brings it back."""
+def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None) -> int:
+    """Print `error` on stderr as one line, the traceback before it only with DEBUG=1; return the exit code. A
+    70-line traceback buries the one fact a user needs; DEBUG=1 brings it back."""
     line, code = failure_line(error)
     try:
         debug = recipe.knob("DEBUG", env)
@@ -228,7 +228,7 @@ def report_failure(script: str, error: BaseException, env: Mapping[str, str] | N
         debug = False  # run_cli refuses a bad DEBUG before anything runs
     if debug:
         traceback.print_exception(error)
-    print(" ".join(f"{script}: {line}{f'; {then}' if then else ''}".splitlines()), file=sys.stderr)
+    print(" ".join(f"{script}: {line}".splitlines()), file=sys.stderr)
     return code
 
 

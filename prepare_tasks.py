@@ -30,6 +30,7 @@ from recipe import ConfigError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the committed task lists (data/README.md)
 SPLITS = ("train", "test")
+DATASETS = {"train": (recipe.TRAIN_DATASET, recipe.TRAIN_REVISION), "test": (recipe.TEST_DATASET, recipe.TEST_REVISION)}
 FIELDS = ("name", "source", "notebook", "difficulty", "instruction_sha256")
 PROGRESS_EVERY = 100  # tasks between progress lines on stderr, so 1,250 folders never look hung
 RESTORE = "restore the recipe's lists with `git checkout -- data`"
@@ -44,13 +45,6 @@ class Counts:
     medium: int = recipe.TRAIN_MEDIUM
     hard: int = recipe.TRAIN_HARD
     test: int = recipe.TEST_TASKS
-
-
-def dataset_of(split: str) -> tuple[str, str]:
-    """(repo id, pinned revision) of a split's Harbor dataset."""
-    if split == "train":
-        return recipe.TRAIN_DATASET, recipe.TRAIN_REVISION
-    return recipe.TEST_DATASET, recipe.TEST_REVISION
 
 
 def progress(what: str, done: int, total: int) -> None:
@@ -155,7 +149,7 @@ def patched_toml(folder: Path) -> str:
 
 def download(api: Any, split: str, dest: Path, patterns: list[str]) -> Path:
     """Download the pinned revision of a split's dataset, only `patterns`, into `dest`."""
-    repo_id, revision = dataset_of(split)
+    repo_id, revision = DATASETS[split]
     print(f"[prepare_tasks] downloading {repo_id}@{revision} ({len(patterns)} patterns)", file=sys.stderr, flush=True)
     try:
         api.snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
@@ -200,7 +194,7 @@ def build_split(rows: list[dict[str, str]], src: Path, dest: Path, split: str, o
         files[row["name"]] = {p.relative_to(target).as_posix(): sha256_file(p)
                               for p in sorted(target.rglob("*")) if p.is_file()}
         progress(f"copy {split}", i, len(rows))
-    repo_id, revision = dataset_of(split)
+    repo_id, revision = DATASETS[split]
     manifest = {"split": split, "dataset": repo_id, "revision": revision, "origin": origin, "count": len(rows),
                 "docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB,
                 "files": files}
@@ -244,7 +238,7 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
             if src is None:
                 src = download(api, split, out / f".{split}.download-{os.getpid()}",
                                [f"tasks/{r['name']}/*" for r in lists[split]])
-                origin, where = "hub", "@".join(dataset_of(split))
+                origin, where = "hub", "@".join(DATASETS[split])
             verify(lists[split], src, split, where, grader_sha256)
             verified[split] = src, origin
         for split, (src, origin) in verified.items():

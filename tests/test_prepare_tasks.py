@@ -124,7 +124,7 @@ def test_materialize_copies_verifies_and_patches(work, capsys):
         rows = load(tmp_path / "data" / f"{split}.json")
         assert sorted(p.name for p in (out / split / "tasks").iterdir()) == sorted(r["name"] for r in rows)
         manifest = json.loads((out / split / "manifest.json").read_text())
-        dataset, revision = pt.dataset_of(split)
+        dataset, revision = pt.DATASETS[split]
         assert (manifest["count"], manifest["dataset"], manifest["revision"], manifest["origin"]) == (
             len(rows), dataset, revision, "local")
         for row in rows:
@@ -156,7 +156,7 @@ def test_materialize_from_the_hub_fetches_only_listed_folders(work, capsys):
     assert rc == 0, err
     for split, download in zip(pt.SPLITS, hub.downloads, strict=True):
         rows = load(tmp_path / "data" / f"{split}.json")
-        assert (download["repo_id"], download["revision"], download["repo_type"]) == (*pt.dataset_of(split), "dataset")
+        assert (download["repo_id"], download["revision"], download["repo_type"]) == (*pt.DATASETS[split], "dataset")
         assert download["allow_patterns"] == [f"tasks/{r['name']}/*" for r in rows]
         # The snapshot holds more tasks (easy ones, unpicked ones) than the list: none of them arrive.
         assert sorted(p.name for p in (out / split / "tasks").iterdir()) == sorted(r["name"] for r in rows)
