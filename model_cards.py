@@ -6,6 +6,7 @@ recipe.py or the run, never retyped; docs/training.md says what the Hub reads of
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import recipe
@@ -83,13 +84,12 @@ def recipe_rows(checkpoint: str, steps: int | None, learning_rate: float | None 
 
 
 def card(data: Any, repo: str, intro: list[str], checkpoint: str, steps: int | None,
-         learning_rate: float | None = None, sections: list[str] = ()) -> str:
+         learning_rate: float | None = None, sections: Sequence[str] = ()) -> str:
     """README.md: the metadata, the title, `intro`'s paragraphs, how it was trained, then `sections`."""
-    table = ["| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint, steps,
-                                                                                         learning_rate))]
+    rows = recipe_rows(checkpoint, steps, learning_rate)
     return "\n".join([f"---\n{data.to_yaml()}\n---\n", f"# {repo.split('/')[-1]}", "",
                       *(line for paragraph in intro for line in (paragraph, "")), "## How it was trained", "",
-                      *table, "", *sections])
+                      "| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "", *sections])
 
 
 def training_card(adapter_repo: str, steps: int, dashboard_url: str | None, learning_rate: float | None = None) -> str:
