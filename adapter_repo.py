@@ -258,11 +258,8 @@ def commit(api: Any, repo_id: str, operations: list[Any], message: str, *, backo
 
 def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str, *,
                sleep: Callable[[float], None] | None = None) -> str:
-    """Commit the files `build(head)` returns on top of `head`; return the commit id.
-
-    `parent_commit` makes the Hub refuse (412) a commit whose parent is no longer the head, so a writer never
-    overwrites what another wrote after it read: the loser waits, reads the head again and rebuilds.
-    """
+    """Commit the files `build(head)` returns on top of `head`; return the commit id. `parent_commit` makes the Hub
+    refuse (412) it once another writer committed, so none overwrites what another wrote after it read."""
     from huggingface_hub import CommitOperationAdd
 
     last = _LAST_CAS.setdefault(api, {})
@@ -280,11 +277,8 @@ def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]],
 
 
 def require_write_access(api: Any, repo_id: str) -> None:
-    """Create `repo_id` (private) if it is missing, then prove that the token may write to it.
-
-    create_repo(exist_ok=True) succeeds with a read-only token, and a fine-grained token's rights are per repo: the
-    Hub's own write auth-check on this repo answers for exactly this token, and writes nothing.
-    """
+    """Create `repo_id` (private) if missing, then prove the token may write to it: create_repo(exist_ok=True)
+    succeeds with a read-only token; the Hub's write auth-check on the repo answers for any kind of token."""
     from huggingface_hub.errors import HfHubHTTPError
 
     api.create_repo(repo_id, private=True, exist_ok=True)

@@ -80,12 +80,8 @@ def _no_token_in_the_space() -> Iterator[None]:
 
 def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[str, str],
              config: dict[str, Any] | None = None) -> str | None:
-    """Start the Trackio run on the private Space, or locally when there is none or it fails; print one line saying
-    which; return the Space URL, or None (then no URL goes into the model card).
-
-    trackio.init does not raise when it cannot find or create the Space: it warns and logs locally, and that warning
-    is what is checked.
-    """
+    """Start the Trackio run on the private Space, or locally when there is none or it fails (trackio.init warns then,
+    and does not raise); print one line saying which; return the Space URL, or None (no URL goes into the card)."""
     import trackio
     from trackio.utils import TRACKIO_DIR
 
