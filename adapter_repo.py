@@ -1,21 +1,7 @@
-"""The adapter repo on the Hub: its layout, and the one way every script writes to it.
+"""The adapter repo on the Hub: its layout, and the one way every script writes to it and reports a failure.
 
-    checkpoint-N/...                          one commit per checkpoint; its last file is COMPLETE_MARKER
-    adapter_model.safetensors, ...            the final adapter at the root, one commit when training ends
-    eval/final_results.json                   full eval (eval_adapter.py) of the final adapter, all test tasks
-    eval/checkpoint-N_full_results.json       full eval of checkpoint-N
-    eval/watch/base.json, eval/watch/<checkpoint>.json   the watcher's cells on its fixed subset (eval_watch.py)
-    eval/summary.json, eval/learning_curve.png           the watcher's rolling summary and curve
-    logs/<job>/...                            each training job's work-folder records, pushed with every checkpoint:
-                                              train_log.json, rollouts*.json, rollout_log.jsonl, trajectories/
-    trajectories.html                         the trajectory page (trajectories.py), rebuilt by each push and summary
-
-Each file has one writer, so two writers never mix schemas or task sets in one file. Every write is one
-commit, retried with waits only on what is transient (HTTP 408/429/5xx, connection errors, timeouts; 409 while
-another commit to the repo is in progress; 412 when a compare-and-swap lost a race); anything else stops at once
-with one line. Every entry point ends a failure
-the same way (`report_failure`): one line saying what failed, the likely cause and the fix. Imports only the
-standard library, recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
+The layout and the retry policy are described in docs/training.md (Hub writes). Imports only the standard library,
+recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
 """
 
 from __future__ import annotations
@@ -39,29 +25,26 @@ from recipe import CHECKPOINT_PATTERN, CHECKPOINT_PREFIX, FINAL
 logger = logging.getLogger("adapter_repo")
 
 # --- Layout ----------------------------------------------------------------------------------------------------------
-# The last file of the single commit that uploads checkpoint-N/, listing every file with its size: only a folder
-# holding it (and the adapter) is complete, so resume, eval and export never load a partial upload.
+# The last file of a checkpoint's one commit, listing every file with its size: resume, eval and export load only a
+# folder holding it (and the adapter), never a partial upload.
 COMPLETE_MARKER = "checkpoint_complete.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
-# Left out of the final adapter at the root (training state stays in the checkpoints). Its README.md is the training
-# repo's model card (model_cards.training_card), written over the one PEFT saves.
-FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json",
-                        recipe.ROLLOUT_STATE)
+# Training state stays in the checkpoints, out of the final adapter at the root.
+FINAL_ADAPTER_IGNORE = ("training_args.bin", "*.pt", "*.pth", "trainer_state.json", recipe.ROLLOUT_STATE)
 EVAL_DIR = "eval"
 LOGS_DIR = "logs"
 WATCH_DIR = f"{EVAL_DIR}/watch"
 WATCH_BASE_PATH = f"{WATCH_DIR}/base.json"
 SUMMARY_PATH = f"{EVAL_DIR}/summary.json"
 CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
-# A smoke run's repo: <ADAPTER_REPO>-smoke, emptied by each smoke run, whose clear records the run it belongs to in
-# SMOKE_RUN_PATH (smoke_report.clear) so that a watcher adopts only that run's files (eval_watch.Watcher.adopt_run).
+# A smoke run pushes to <ADAPTER_REPO>-smoke; its clear records the run in SMOKE_RUN_PATH (smoke_report.clear).
 SMOKE_SUFFIX = "-smoke"
 SMOKE_RUN_PATH = "smoke_run.json"
 _WATCH_RESULTS = re.compile(rf"^{WATCH_DIR}/({CHECKPOINT_PATTERN})\.json$")
+_MARKER = re.compile(rf"^({CHECKPOINT_PREFIX}\d+)/{re.escape(COMPLETE_MARKER)}$")
 
 
 def checkpoint_name(step: int) -> str:
-    """The folder the trainer pushes step `step` to."""
     return f"{CHECKPOINT_PREFIX}{step}"
 
 
@@ -73,14 +56,9 @@ def adapter_folder(checkpoint: str) -> str:
 def complete_checkpoints(files: Iterable[str]) -> list[int]:
     """Steps N whose checkpoint-N/ holds the completion marker and the adapter, oldest first."""
     present = set(files)
-    steps = []
-    for path in present:
-        folder, _, name = path.partition("/")
-        step = folder.removeprefix(CHECKPOINT_PREFIX)
-        if name == COMPLETE_MARKER and folder.startswith(CHECKPOINT_PREFIX) and step.isdigit() and {
-                f"{folder}/{file}" for file in ADAPTER_FILES} <= present:
-            steps.append(int(step))
-    return sorted(steps)
+    folders = [m.group(1) for m in map(_MARKER.match, present) if m]
+    return sorted(int(folder.removeprefix(CHECKPOINT_PREFIX)) for folder in folders
+                  if all(f"{folder}/{name}" in present for name in ADAPTER_FILES))
 
 
 def refuse_fresh_start(repo_id: str, files: Iterable[str]) -> None:
@@ -104,13 +82,13 @@ def checkpoint_complete(files: Iterable[str], checkpoint: str) -> bool:
 
 
 def full_results_path(checkpoint: str) -> str:
-    """Where eval_adapter.py's base-vs-adapter eval of `checkpoint` on every test task lives."""
+    """eval_adapter.py's base-vs-adapter eval of `checkpoint` on every test task."""
     name = "final_results.json" if checkpoint == FINAL else f"{checkpoint}_full_results.json"
     return f"{EVAL_DIR}/{name}"
 
 
 def watch_results_path(checkpoint: str) -> str:
-    """Where eval_watch.py keeps `checkpoint`'s cells on its fixed subset (never a full eval's file)."""
+    """eval_watch.py's cells of `checkpoint` on its fixed subset (never a full eval's file)."""
     return f"{WATCH_DIR}/{checkpoint}.json"
 
 
@@ -120,8 +98,7 @@ def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
 
 
 # --- The jobs that write a repo ---------------------------------------------------------------------------------------
-# The Jobs API's stages of a job that has not ended (huggingface_hub's JobStage).
-LIVE_STAGES = ("SCHEDULING", "RUNNING")
+LIVE_STAGES = ("SCHEDULING", "RUNNING")  # huggingface_hub's JobStage values of a job that has not ended
 TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the train and smoke launches)
 
 
@@ -142,35 +119,23 @@ class PushError(Failure):
 
 
 class StaleHead(RuntimeError):
-    """The Hub still answers a head this writer saw superseded: its read lags; read again after a wait."""
+    """The Hub's head read still lags a commit it should show: read again after a wait."""
 
 
 def http_status(error: BaseException) -> int | None:
-    """The HTTP status the Hub answered with, if `error` is the client's HTTP error."""
     from huggingface_hub.errors import HfHubHTTPError
 
     return error.response.status_code if isinstance(error, HfHubHTTPError) else None
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Connection failures and timeouts, as the installed client's own retry loop counts them.
-
-    huggingface_hub 1.x is built on httpx, 2.x on httpx2: take them from whichever its errors come from.
-    """
+    """Connection failures and timeouts of the installed client (huggingface_hub 1.x is built on httpx, 2.x on
+    httpx2)."""
     from huggingface_hub.errors import HTTPError
 
     transport = importlib.import_module(HTTPError.__module__)
     return (transport.TimeoutException, transport.NetworkError, transport.RemoteProtocolError, ConnectionError,
             TimeoutError)
-
-
-def is_transient(error: BaseException) -> bool:
-    """Worth retrying: HTTP 408, 409 (another commit to the repo is in progress), 429 or 5xx, or the connection
-    failed or timed out."""
-    status = http_status(error)
-    if status is not None:
-        return status in (408, 409, 429) or status >= 500
-    return isinstance(error, _transport_errors())
 
 
 def describe(error: BaseException) -> str:
@@ -185,32 +150,32 @@ _HINTS = {401: "check HF_TOKEN (is it valid?)", 403: "check that HF_TOKEN can wr
           404: "check the repo id, and that HF_TOKEN can see it"}
 
 
-def with_retries[T](what: str, action: Callable[[], T], *, compare_and_swap: bool = False,
-                 backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> T:
-    """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on transient errors.
+def with_retries[T](what: str, action: Callable[[], T], *, backoff_s: float = recipe.PUSH_BACKOFF_S,
+                    sleep: Callable[[float], None] | None = None) -> T:
+    """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on what is transient.
 
-    The first wait is `backoff_s`, recipe.CONFLICT_BACKOFF_S for a 409 (another commit in progress), and with
-    `compare_and_swap` recipe.CAS_BACKOFF_S for a 412 (the head moved under the commit) or a StaleHead. Any other
-    error raises PushError with one line at once: retrying a 403 or a bug only hides it for minutes.
+    Transient: HTTP 408, 429 or 5xx, a connection failure or timeout (first wait `backoff_s`); another writer got
+    there first (409: its commit is in progress; 412: a compare-and-swap lost) or the head read lags (StaleHead)
+    (first wait recipe.CONFLICT_BACKOFF_S). Anything else raises PushError at once: retrying a 403 or a bug only
+    hides it for minutes.
     """
-    attempt = 1
-    while True:
+    for attempt in range(1, recipe.PUSH_RETRIES + 1):
         try:
             return action()
         except Exception as error:  # noqa: BLE001 - sorted below: retried, or reported in one line
             status = http_status(error)
-            raced = compare_and_swap and (status == 412 or isinstance(error, StaleHead))
-            if not raced and not is_transient(error):
+            raced = status in (409, 412) or isinstance(error, StaleHead)
+            blip = status in (408, 429) or (status or 0) >= 500 or isinstance(error, _transport_errors())
+            if not (raced or blip):
                 hint = f": {_HINTS[status]}" if status in _HINTS else ""
                 raise PushError(f"{what} failed ({describe(error)}){hint}") from error
-            if attempt >= recipe.PUSH_RETRIES:
+            if attempt == recipe.PUSH_RETRIES:
                 raise PushError(f"{what} failed {attempt} times, last error: {describe(error)}") from error
-            first = recipe.CAS_BACKOFF_S if raced else recipe.CONFLICT_BACKOFF_S if status == 409 else backoff_s
-            wait = first * 2 ** (attempt - 1)
+            wait = (recipe.CONFLICT_BACKOFF_S if raced else backoff_s) * 2 ** (attempt - 1)
             logger.warning("push attempt %d/%d failed (%s); retrying in %.0fs", attempt, recipe.PUSH_RETRIES,
                            describe(error), wait)
             (sleep or time.sleep)(wait)
-            attempt += 1
+    raise AssertionError("unreachable: PUSH_RETRIES >= 1")
 
 
 # --- One line per failure ---------------------------------------------------------------------------------------------
@@ -224,19 +189,7 @@ def _chain(error: BaseException) -> Iterable[BaseException]:
         current = current.__cause__ or current.__context__
 
 
-def unreachable(error: BaseException) -> BaseException | None:
-    """The connection failure or timeout behind `error`, if there is one."""
-    return next((e for e in _chain(error) if isinstance(e, _transport_errors())), None)
-
-
 _HUB_HOST = re.compile(r"^https://([^/]+\.)?(hf\.co|huggingface\.co)(/|$)")  # the Hub's API and file CDNs
-
-
-def _request_url(error: BaseException) -> str:
-    try:
-        return str(error.request.url)  # type: ignore[attr-defined]  # the HTTP client's errors carry their request
-    except (AttributeError, RuntimeError):
-        return ""
 
 
 def failure_line(error: BaseException) -> tuple[str, int]:
@@ -245,12 +198,15 @@ def failure_line(error: BaseException) -> tuple[str, int]:
 
     if isinstance(error, recipe.ConfigError | Failure):
         return str(error), 2 if isinstance(error, recipe.ConfigError) else 1
-    cut = unreachable(error)
-    url = _request_url(cut) if cut is not None else ""
-    if cut is not None and (not url or url.startswith(constants.ENDPOINT) or _HUB_HOST.match(url)):
-        return (f"could not reach the Hugging Face Hub at {constants.ENDPOINT} ({describe(cut)}): no network, or "
-                "HF_ENDPOINT or a proxy setting points elsewhere; check the connection and rerun"), 1
+    cut = next((e for e in _chain(error) if isinstance(e, _transport_errors())), None)
     if cut is not None:
+        try:
+            url = str(cut.request.url)  # type: ignore[attr-defined]  # the HTTP client's errors carry their request
+        except (AttributeError, RuntimeError):
+            url = ""
+        if not url or url.startswith(constants.ENDPOINT) or _HUB_HOST.match(url):
+            return (f"could not reach the Hugging Face Hub at {constants.ENDPOINT} ({describe(cut)}): no network, or "
+                    "HF_ENDPOINT or a proxy setting points elsewhere; check the connection and rerun"), 1
         return (f"could not reach {url} ({describe(cut)}): the server there is not running, or the URL is wrong; "
                 "start it or fix the URL, and rerun"), 1
     refused = next((e for e in _chain(error) if http_status(e) is not None), None)
@@ -262,9 +218,9 @@ def failure_line(error: BaseException) -> tuple[str, int]:
             "cause is not yours to fix"), 1
 
 
-def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None, then: str = "") -> int:
-    """Print `error` on stderr as one line (`then` appended), the traceback before it only with DEBUG=1; return
-    the exit code. A 70-line traceback buries the one fact a user needs; DEBUG=1 brings it back."""
+def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None) -> int:
+    """Print `error` on stderr as one line, the traceback before it only with DEBUG=1; return the exit code. A
+    70-line traceback buries the one fact a user needs; DEBUG=1 brings it back."""
     line, code = failure_line(error)
     try:
         debug = recipe.knob("DEBUG", env)
@@ -272,7 +228,7 @@ def report_failure(script: str, error: BaseException, env: Mapping[str, str] | N
         debug = False  # run_cli refuses a bad DEBUG before anything runs
     if debug:
         traceback.print_exception(error)
-    print(" ".join(f"{script}: {line}{f'; {then}' if then else ''}".splitlines()), file=sys.stderr)
+    print(" ".join(f"{script}: {line}".splitlines()), file=sys.stderr)
     return code
 
 
@@ -287,83 +243,42 @@ def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | No
 
 
 # --- Writes ----------------------------------------------------------------------------------------------------------
-class _Lineage:
-    """What this writer knows of a repo's head: its own last commit, and the heads it saw superseded."""
-
-    def __init__(self) -> None:
-        self.last: str | None = None
-        self.superseded: set[str] = set()
-
-    def parent(self, read: str) -> str:
-        """The head to build on, given what the Hub's head read answered: that answer, unless this writer knows
-        it is behind (repo_info can lag right after a commit); then this writer's own last commit."""
-        if read not in self.superseded:
-            return read
-        if self.last is not None and self.last not in self.superseded:
-            return self.last
-        raise StaleHead(f"the Hub still answers head {read[:12]}, which a later commit superseded")
-
-    def committed(self, parent: str | None, oid: str) -> None:
-        if parent is not None and parent != oid:  # an unchanged commit returns the head it found
-            self.superseded.add(parent)
-        self.last = oid
-
-
-_LINEAGES: weakref.WeakKeyDictionary[Any, dict[str, _Lineage]] = weakref.WeakKeyDictionary()
-
-
-def _lineage(api: Any, repo_id: str) -> _Lineage:
-    """This client's lineage of `repo_id` (one client per writer process)."""
-    return _LINEAGES.setdefault(api, {}).setdefault(repo_id, _Lineage())
+# {client: {repo: (parent, oid)}} of this writer's last compare-and-swap: right after a commit the Hub's head read
+# can still answer its parent, and building on that would lose to this writer's own commit until the read caught up.
+_LAST_CAS: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
 
 
 def commit(api: Any, repo_id: str, operations: list[Any], message: str, *, backoff_s: float = recipe.PUSH_BACKOFF_S,
            sleep: Callable[[float], None] | None = None) -> str:
-    """Commit `operations` in one commit (retried as above); return the commit id (`CommitInfo.oid`)."""
-    oid = with_retries(f"commit {message!r} to {repo_id}",
-                       lambda: api.create_commit(repo_id, operations, commit_message=message).oid,
-                       backoff_s=backoff_s, sleep=sleep)
-    _lineage(api, repo_id).committed(None, oid)
-    return oid
+    """Commit `operations` in one commit (retried as above); return the commit id."""
+    return with_retries(f"commit {message!r} to {repo_id}",
+                        lambda: api.create_commit(repo_id, operations, commit_message=message).oid,
+                        backoff_s=backoff_s, sleep=sleep)
 
 
 def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str, *,
                sleep: Callable[[float], None] | None = None) -> str:
-    """Commit the files `build(head)` returns on top of `head`, rebuilding from the new head if it moved.
-
-    `parent_commit` makes the Hub refuse (HTTP 412) a commit whose parent is no longer the head, so two
-    writers never overwrite each other's view: the loser waits and rebuilds. The head comes from `repo_info`,
-    except where that answers a head this writer saw superseded: then from its own last commit's
-    `CommitInfo.oid`, or, if that was superseded too, from a later read. Returns the commit id.
-    """
+    """Commit the files `build(head)` returns on top of `head`; return the commit id. `parent_commit` makes the Hub
+    refuse (412) it once another writer committed, so none overwrites what another wrote after it read."""
     from huggingface_hub import CommitOperationAdd
 
-    lineage = _lineage(api, repo_id)
+    last = _LAST_CAS.setdefault(api, {})
 
     def attempt() -> str:
-        head = lineage.parent(api.repo_info(repo_id).sha)
+        head = api.repo_info(repo_id).sha
+        if repo_id in last and head == last[repo_id][0]:  # the read lags this writer's own last commit
+            head = last[repo_id][1]
         ops = [CommitOperationAdd(path_in_repo=p, path_or_fileobj=data) for p, data in build(head).items()]
-        try:
-            oid = api.create_commit(repo_id, ops, commit_message=message, parent_commit=head).oid
-        except Exception as error:
-            if http_status(error) == 412:
-                lineage.superseded.add(head)
-            raise
-        lineage.committed(head, oid)
+        oid = api.create_commit(repo_id, ops, commit_message=message, parent_commit=head).oid
+        last[repo_id] = head, oid
         return oid
 
-    return with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True, sleep=sleep)
+    return with_retries(f"commit {message!r} to {repo_id}", attempt, sleep=sleep)
 
 
 def require_write_access(api: Any, repo_id: str) -> None:
-    """Create `repo_id` (private) if it is missing, then prove that the client's token may write to it.
-
-    `create_repo(exist_ok=True)` alone proves nothing: it succeeds for an existing repo with a read-only token.
-    whoami's token role is no proof either: a fine-grained token's rights are per repo and per org, and reading
-    them back here would mean re-implementing the Hub's rules. The Hub's own auth-check of write access on this
-    repo (`HfApi.auth_check(write=True)`, GET /api/models/<repo>/auth-check/write) answers for exactly this token
-    on exactly this repo, whatever kind of token it is, and writes nothing.
-    """
+    """Create `repo_id` (private) if missing, then prove the token may write to it: create_repo(exist_ok=True)
+    succeeds with a read-only token; the Hub's write auth-check on the repo answers for any kind of token."""
     from huggingface_hub.errors import HfHubHTTPError
 
     api.create_repo(repo_id, private=True, exist_ok=True)
@@ -381,8 +296,8 @@ def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, igno
                 backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> list[str]:
     """Upload `folder` as one commit (it lands whole or not at all); return the repo paths written.
 
-    With `marker`, the commit ends with COMPLETE_MARKER listing every file and its size; `also` ({repo path: file or
-    bytes}) goes into the same commit, outside the folder and its marker.
+    With `marker`, the commit ends with COMPLETE_MARKER; `also` ({repo path: file or bytes}) goes into the same
+    commit, outside the folder and its marker.
     """
     from huggingface_hub import CommitOperationAdd
 
@@ -411,10 +326,9 @@ def read_json(api: Any, repo_id: str, path: str, revision: str | None = None) ->
 
 
 def head_holding(api: Any, repo_id: str, checkpoint: str, *, sleep: Callable[[float], None] | None = None) -> str:
-    """The head to download `checkpoint` at: repo_info's answer, read again after a wait (recipe.CAS_BACKOFF_S,
-    doubled) while that head lacks a checkpoint the latest listing holds, since a head read can lag the push that
-    completed it. A checkpoint the repo lacks altogether is no lag: its head is returned, for download_adapter to
-    refuse at once."""
+    """The head to download `checkpoint` at, read again after waits while it lacks a checkpoint the latest listing
+    holds (a head read can lag the push that completed it). A checkpoint the repo lacks is no lag: its head is
+    returned, for download_adapter to refuse."""
 
     def read() -> str:
         head = api.repo_info(repo_id).sha
@@ -423,7 +337,7 @@ def head_holding(api: Any, repo_id: str, checkpoint: str, *, sleep: Callable[[fl
             return head
         raise StaleHead(f"the Hub still answers head {head[:12]}, which lacks the {checkpoint!r} pushed since")
 
-    return with_retries(f"read the head of {repo_id} holding {checkpoint!r}", read, compare_and_swap=True, sleep=sleep)
+    return with_retries(f"read the head of {repo_id} holding {checkpoint!r}", read, sleep=sleep)
 
 
 def download_adapter(api: Any, repo_id: str, checkpoint: str, dest: Path, revision: str | None = None) -> Path:
@@ -432,8 +346,7 @@ def download_adapter(api: Any, repo_id: str, checkpoint: str, dest: Path, revisi
     if not checkpoint_complete(api.list_repo_files(repo_id, revision=revision), checkpoint):
         raise recipe.ConfigError(
             f"{repo_id} has no complete adapter for {checkpoint!r} ({folder or 'repo root'} lacks the adapter "
-            "or its completion marker): check CHECKPOINT, or wait for the upload to finish"
-        )
+            "or its completion marker): check CHECKPOINT, or wait for the upload to finish")
     for name in ADAPTER_FILES:
         path = f"{folder}/{name}" if folder else name
         api.hf_hub_download(repo_id=repo_id, filename=path, local_dir=str(dest), revision=revision)

@@ -1,16 +1,8 @@
 """Where a run's metrics go: the reporter knob, Trackio project and run names, the private dashboard Space.
 
-Training, the eval watcher and the final eval all log to one Trackio project named after the adapter repo, each
-job as its own run named after its job id, so the learning curve sits next to the training curves. The dashboard
-is a private Space under the HF token's owner (recipe.DASHBOARD_SPACE). A dashboard never fails a run: when the
-Space cannot be reached or created, Trackio logs on the machine and one line says so.
-
-When trackio 0.43.0 creates the Space (trackio/deploy.py, `deploy_as_space`), it stores the token it runs under
-(the job's HF_TOKEN, a write token) in the Space as its `HF_TOKEN` secret, and turns on the Space's MCP server
-(`GRADIO_MCP_SERVER=True`). init_run drops exactly those two calls: the Space needs neither (its server checks each
-writer's own token, trackio/server.py `check_hf_token_has_write_access`), and the rest of Trackio's deploy runs as is.
-
-Imports nothing heavy (launch.py runs it in its own small environment); Trackio is imported when a run starts.
+A dashboard never fails a run: when the Space cannot be reached or created, Trackio logs on the machine and one line
+says so; no Space gets the job's token (docs/training.md, Dashboard). Imports nothing heavy (launch.py runs it in
+its own small environment); Trackio is imported when a run starts.
 """
 
 from __future__ import annotations
@@ -25,15 +17,9 @@ from typing import Any
 import recipe
 
 SPACE_URL = "https://huggingface.co/spaces/{}"
-# How trackio 0.43.0's init says it could not find or create the Space (it warns and logs locally instead of raising).
-_SPACE_NOT_PREPARED = "could not prepare Space"
+_SPACE_NOT_PREPARED = "could not prepare Space"  # trackio 0.43.0's warning when it logs locally instead
 LOCAL = recipe.NO_SPACE
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
-
-
-def reporter(env: Mapping[str, str]) -> str:
-    """REPORT_TO for this run (default recipe.REPORT_TO): recipe.py's check, the one the job's preflight runs."""
-    return recipe.knob("REPORT_TO", env)
 
 
 def space(env: Mapping[str, str]) -> str | None:
@@ -43,7 +29,6 @@ def space(env: Mapping[str, str]) -> str | None:
 
 
 def space_id(name: str, owner: str) -> str:
-    """The full Space id: a bare name lives under the token's owner (as Trackio places it)."""
     return name if "/" in name else f"{owner}/{name}"
 
 
@@ -55,10 +40,8 @@ def project(adapter_repo: str) -> str:
 def job_id(env: Mapping[str, str]) -> str:
     """This job's id (JOB_ID, HF_JOB_ID, or the one in SPACE_HOST <id>--<port>.hf.jobs); a UTC time outside a job."""
     explicit = env.get("JOB_ID", "").strip() or env.get("HF_JOB_ID", "").strip()
-    if explicit:
-        return explicit
     host = _JOB_HOST.match(env.get("SPACE_HOST", "").strip())
-    return host.group(1) if host else time.strftime("%Y%m%d-%H%M%S", time.gmtime())
+    return explicit or (host.group(1) if host else time.strftime("%Y%m%d-%H%M%S", time.gmtime()))
 
 
 def run_name(kind: str, env: Mapping[str, str]) -> str:
@@ -68,13 +51,13 @@ def run_name(kind: str, env: Mapping[str, str]) -> str:
 
 def _redacted(text: str, env: Mapping[str, str]) -> str:
     token = env.get("HF_TOKEN", "").strip()
-    return text.replace(token, "<redacted>") if token else text
+    return (text.replace(token, "<redacted>") if token else text)[:300]
 
 
 @contextlib.contextmanager
 def _no_token_in_the_space() -> Iterator[None]:
-    """While Trackio may create the Space: its HF_TOKEN secret (the job's write token) and its MCP server are dropped,
-    every other secret and variable goes through (module attributes: deploy.py calls `huggingface_hub.add_space_*`)."""
+    """While Trackio may create the Space (deploy.py calls `huggingface_hub.add_space_*`): its HF_TOKEN secret (the
+    job's write token) and its MCP server are dropped, every other secret and variable goes through."""
     import huggingface_hub
 
     dropped = {"add_space_secret": "HF_TOKEN", "add_space_variable": "GRADIO_MCP_SERVER"}
@@ -86,9 +69,9 @@ def _no_token_in_the_space() -> Iterator[None]:
                 real[name](repo_id, key, value, **kwargs)
         return add
 
-    for name in dropped:
-        setattr(huggingface_hub, name, guard(name))
     try:
+        for name in dropped:
+            setattr(huggingface_hub, name, guard(name))
         yield
     finally:
         for name, function in real.items():
@@ -97,16 +80,12 @@ def _no_token_in_the_space() -> Iterator[None]:
 
 def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[str, str],
              config: dict[str, Any] | None = None) -> str | None:
-    """Start the Trackio run on the private Space, or locally when there is none or it fails; return the Space URL,
-    or None when there is no dashboard (then no URL goes into the model card).
-
-    Prints one line either way: the dashboard URL, or where the local logs are and why. trackio.init does not raise
-    when it cannot find or create the Space: it warns and logs locally, and that warning is what is checked.
-    """
+    """Start the Trackio run on the private Space, or locally when there is none or it fails (trackio.init warns then,
+    and does not raise); print one line saying which; return the Space URL, or None (no URL goes into the card)."""
     import trackio
     from trackio.utils import TRACKIO_DIR
 
-    why = "no dashboard Space (DASHBOARD_SPACE=local)"
+    why, local = "no dashboard Space (DASHBOARD_SPACE=local)", False
     if space_id:
         try:
             with warnings.catch_warnings(record=True) as caught, _no_token_in_the_space():
@@ -114,26 +93,23 @@ def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[st
                 trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
                              config=config)
         except Exception as error:  # noqa: BLE001 - offline, no rights, Hub down: log locally, never fail the run
-            why = f"Space {space_id} unavailable: {_redacted(f'{type(error).__name__}: {error}', env)[:300]}"
+            why = f"Space {space_id} unavailable ({_redacted(f'{type(error).__name__}: {error}', env)}): no dashboard"
         else:
             refused = next((str(w.message) for w in caught if _SPACE_NOT_PREPARED in str(w.message)), None)
             for w in caught:
                 if str(w.message) != refused:
                     warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            space = trackio.context_vars.current_space_id.get()
+            space, local = trackio.context_vars.current_space_id.get(), True
             if refused is None:
-                url = SPACE_URL.format(space)
-                print(f"dashboard: {url} (project {project_name}, run {name})", flush=True)
-                return url
-            reason = _redacted(refused.split(": ", 1)[-1].split(". Logging will continue")[0], env)[:300]
-            print(f"dashboard: Trackio could not create Space {space} ({reason}): no dashboard: metrics are logged "
-                  f"locally to {TRACKIO_DIR}, lost when the job ends unless copied (project {project_name}, run "
-                  f"{name}); give HF_TOKEN the right to create it, or set DASHBOARD_SPACE=local (docs/training.md)",
-                  flush=True)
-            return None
-    trackio.init(project=project_name, name=name, resume="allow", config=config)
-    print(f"dashboard: {why}; logging locally to {TRACKIO_DIR} (project {project_name}, run {name}; "
-          f"view with `trackio show --project {project_name}`)", flush=True)
+                print(f"dashboard: {SPACE_URL.format(space)} (project {project_name}, run {name})", flush=True)
+                return SPACE_URL.format(space)
+            reason = _redacted(refused.split(": ", 1)[-1].split(". Logging will continue")[0], env)
+            why = (f"Trackio could not create Space {space} ({reason}; give HF_TOKEN the right to create it, or set "
+                   "DASHBOARD_SPACE=local): no dashboard")
+    if not local:
+        trackio.init(project=project_name, name=name, resume="allow", config=config)
+    print(f"dashboard: {why}: metrics are logged locally to {TRACKIO_DIR}, lost when the job ends unless copied "
+          f"(project {project_name}, run {name}; view with `trackio show --project {project_name}`)", flush=True)
     return None
 
 
@@ -143,8 +119,7 @@ class EvalDashboard:
     def __init__(self, adapter_repo: str, kind: str, env: Mapping[str, str]) -> None:
         self.project, self.name, self.space = project(adapter_repo), run_name(kind, env), space(env)
         self.env = dict(env)
-        self.started = False
-        self.broken = False
+        self.started = self.broken = False
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
         if self.broken:
@@ -158,8 +133,8 @@ class EvalDashboard:
             trackio.log(metrics, step=step)
         except Exception as error:  # noqa: BLE001 - the eval's own results files are what matter
             self.broken = True
-            print(f"dashboard: eval logging stopped ({type(error).__name__}: "
-                  f"{_redacted(str(error), self.env)[:300]}); results still go to the adapter repo", flush=True)
+            print(f"dashboard: eval logging stopped ({type(error).__name__}: {_redacted(str(error), self.env)}); "
+                  "results still go to the adapter repo", flush=True)
 
     def finish(self) -> None:
         if self.started and not self.broken:
@@ -170,4 +145,4 @@ class EvalDashboard:
 
 def for_eval(adapter_repo: str, kind: str, env: Mapping[str, str]) -> EvalDashboard | None:
     """The eval's dashboard when the reporter is Trackio (evals log to no other dashboard)."""
-    return EvalDashboard(adapter_repo, kind, env) if reporter(env) == "trackio" else None
+    return EvalDashboard(adapter_repo, kind, env) if recipe.knob("REPORT_TO", env) == "trackio" else None

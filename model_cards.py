@@ -1,79 +1,55 @@
-"""Model-card metadata shared by the training repo's card (train_lora.py) and the published one (export_adapter.py).
+"""The two model cards: the training repo's (train_lora.py) and the published one (export_adapter.py).
 
-Built with `huggingface_hub.ModelCardData` / `EvalResult`, never hand-written YAML, so the Hub reads exactly what
-recipe.py says: the base model, the library, tags, both datasets, the dashboard, and (published cards) a
-`model-index` from the finished eval, whose `dataset.revision` is the test set's. The Hub reads `base_model` as a
-repo id only, and `base_model_revision` / `dataset_revisions` not at all (they are informational): the base model's
-machine-readable revision is adapter_config.json's `revision` (train_lora.lora_config), which PEFT's AutoPeftModel
-loads the base at; the card's usage snippets pass it too (export_adapter.usage_section).
+Metadata is `huggingface_hub.ModelCardData` / `EvalResult`, never hand-written YAML, and every value is read from
+recipe.py or the run, never retyped; docs/training.md says what the Hub reads of it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import recipe
 
 LICENSE_LINK = f"https://huggingface.co/{recipe.BASE_MODEL}/blob/main/LICENSE"
 TAGS = ["lora", "peft", "grpo", "trl", "reinforcement-learning", "agent", "opencode", "lfm2"]
-
-
-def eval_results(doc: dict[str, Any]) -> list[Any]:
-    """The adapter's pass@1 (and its 95% Wilson bounds) on the held-out tasks, as `model-index` entries."""
-    from huggingface_hub import EvalResult
-
-    adapter = doc["summary"]["adapter"]
-    common = {
-        "task_type": "text-generation",
-        "task_name": "Agentic data analysis in OpenCode",
-        "dataset_type": doc.get("dataset", recipe.TEST_DATASET),
-        "dataset_name": "SmolDataEnvs Harbor (held-out test tasks)",
-        "dataset_split": "test",
-        "dataset_revision": doc.get("dataset_revision", recipe.TEST_REVISION),
-    }
-    if adapter["pass_at_1"] is None:
-        return []
-    low, high = adapter["ci95"]
-    return [
-        EvalResult(**common, metric_type="pass@1", metric_name="pass@1", metric_value=adapter["pass_at_1"],
-                   metric_args={"scored": adapter["scored"], "correct": adapter["correct"],
-                                "unscorable": adapter["unscorable"], "ci95_low": low, "ci95_high": high}),
-    ]
+CHAT_TEMPLATE_FILE = "chat_template.jinja"  # chat_template.py's template, under the name transformers saves it as
+HOW = ("trained with async GRPO inside the unmodified OpenCode agent harness: each rollout runs OpenCode on a "
+       "data-analysis task in its own sandbox, a verifier grades the answer, and the adapter learns from the exact "
+       "tokens and logprobs the OpenEnv capture proxy recorded")
 
 
 def card_data(*, merged: bool = False, model_name: str | None = None, results: dict[str, Any] | None = None,
               dashboard_url: str | None = None) -> Any:
-    """The card's metadata: base model, library, license, tags, datasets, model-index (+ informational revisions)."""
-    from huggingface_hub import ModelCardData
+    """Base model, library, license, tags, datasets, the model-index of a finished eval (+ informational revisions)."""
+    from huggingface_hub import EvalResult, ModelCardData
 
     tags = TAGS + (["merged-lora"] if merged else [])
     if dashboard_url:  # what transformers' Trackio callback adds: the Hub shows the Space under "Training metrics"
         tags += ["trackio", f"trackio:{dashboard_url}"]
+    evals = None
+    if results and results["summary"]["adapter"]["pass_at_1"] is not None:
+        adapter = results["summary"]["adapter"]
+        low, high = adapter["ci95"]
+        evals = [EvalResult(
+            task_type="text-generation", task_name="Agentic data analysis in OpenCode",
+            dataset_type=results.get("dataset", recipe.TEST_DATASET),
+            dataset_name="SmolDataEnvs Harbor (held-out test tasks)", dataset_split="test",
+            dataset_revision=results.get("dataset_revision", recipe.TEST_REVISION), metric_type="pass@1",
+            metric_name="pass@1", metric_value=adapter["pass_at_1"],
+            metric_args={"scored": adapter["scored"], "correct": adapter["correct"],
+                         "unscorable": adapter["unscorable"], "ci95_low": low, "ci95_high": high})]
     return ModelCardData(
-        base_model=recipe.BASE_MODEL,
-        base_model_relation="finetune" if merged else "adapter",
-        base_model_revision=recipe.BASE_MODEL_REVISION,
-        library_name="transformers" if merged else "peft",
-        license="other",
-        license_name="lfm1.0",
-        license_link=LICENSE_LINK,
-        pipeline_tag="text-generation",
-        tags=tags,
-        datasets=[recipe.TRAIN_DATASET, recipe.TEST_DATASET],
+        base_model=recipe.BASE_MODEL, base_model_relation="finetune" if merged else "adapter",
+        base_model_revision=recipe.BASE_MODEL_REVISION, library_name="transformers" if merged else "peft",
+        license="other", license_name="lfm1.0", license_link=LICENSE_LINK, pipeline_tag="text-generation",
+        tags=tags, datasets=[recipe.TRAIN_DATASET, recipe.TEST_DATASET],
         dataset_revisions={recipe.TRAIN_DATASET: recipe.TRAIN_REVISION, recipe.TEST_DATASET: recipe.TEST_REVISION},
-        model_name=model_name if results else None,
-        eval_results=eval_results(results) if results else None,
-    )
-
-
-def front_matter(data: Any) -> str:
-    """The YAML block a README.md starts with."""
-    return f"---\n{data.to_yaml()}\n---\n"
+        model_name=model_name if results else None, eval_results=evals)
 
 
 def recipe_rows(checkpoint: str, steps: int | None, learning_rate: float | None = None) -> list[tuple[str, str]]:
-    """How it was trained, read from recipe.py (never retyped) and the run (its steps, and its learning rate where
-    the caller knows it)."""
+    """How it was trained: recipe.py's values and the run's (its steps, and its learning rate where known)."""
     r = recipe
     pins = r.pinned_versions()
     stack = ", ".join(f"`{name}{pins[name]}`" for name in ("trl", "transformers", "peft", "openenv") if name in pins)
@@ -107,32 +83,90 @@ def recipe_rows(checkpoint: str, steps: int | None, learning_rate: float | None 
     ]
 
 
-def recipe_table(checkpoint: str, steps: int | None, learning_rate: float | None = None) -> list[str]:
-    return ["| Knob | Value |", "|---|---|",
-            *(f"| {k} | {v} |" for k, v in recipe_rows(checkpoint, steps, learning_rate))]
+def card(data: Any, repo: str, intro: list[str], checkpoint: str, steps: int | None,
+         learning_rate: float | None = None, sections: Sequence[str] = ()) -> str:
+    """README.md: the metadata, the title, `intro`'s paragraphs, how it was trained, then `sections`."""
+    rows = recipe_rows(checkpoint, steps, learning_rate)
+    return "\n".join([f"---\n{data.to_yaml()}\n---\n", f"# {repo.split('/')[-1]}", "",
+                      *(line for paragraph in intro for line in (paragraph, "")), "## How it was trained", "",
+                      "| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "", *sections])
 
 
 def training_card(adapter_repo: str, steps: int, dashboard_url: str | None, learning_rate: float | None = None) -> str:
-    """README.md of the training repo: what it holds, where the run's curves are, how it was trained."""
+    """The training repo's: what it holds, where the run's curves are, how it was trained."""
     name = adapter_repo.split("/")[-1]
-    where = (f"Training and eval curves: [Trackio dashboard]({dashboard_url}) (project `{name}`)." if dashboard_url
-             else f"Training and eval curves were logged to Trackio locally (project `{name}`), not to a Space.")
-    return "\n".join([
-        front_matter(card_data(dashboard_url=dashboard_url)),
-        f"# {name}",
-        "",
-        f"The training repo of a LoRA adapter for `{recipe.BASE_MODEL}`, trained with async GRPO inside the "
-        f"unmodified OpenCode agent harness ({steps} optimizer steps). The final adapter is at the root, each "
-        "`checkpoint-N/` holds a resumable checkpoint, and `eval/` the per-checkpoint and final evaluations "
-        "(`eval/learning_curve.png`, `eval/summary.json`, `eval/final_results.json`).",
-        "",
-        where,
-        "",
-        "Publish it with its eval table and `model-index`: `python export_adapter.py --source "
-        f"{adapter_repo} --target <you>/<name>`.",
-        "",
-        "## How it was trained",
-        "",
-        *recipe_table("final", steps, learning_rate),
-        "",
-    ])
+    return card(card_data(dashboard_url=dashboard_url), adapter_repo, [
+        f"The training repo of a LoRA adapter for `{recipe.BASE_MODEL}` ({steps} optimizer steps), {HOW}. The final "
+        "adapter is at the root, each `checkpoint-N/` holds a resumable checkpoint, and `eval/` the per-checkpoint "
+        "and final evaluations (`eval/learning_curve.png`, `eval/summary.json`, `eval/final_results.json`).",
+        f"Training and eval curves: [Trackio dashboard]({dashboard_url}) (project `{name}`)." if dashboard_url else
+        f"Training and eval curves were logged to Trackio locally (project `{name}`), not to a Space.",
+        f"Publish it with its eval table and `model-index`: `python export_adapter.py --source {adapter_repo} "
+        "--target <you>/<name>`."], "final", steps, learning_rate)
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def eval_section(doc: dict[str, Any]) -> list[str]:
+    """Base vs adapter pass@1 with counts, the paired difference with its interval, and the agreement breakdown."""
+    base, adapter, paired = doc["summary"]["base"], doc["summary"]["adapter"], doc["summary"]["paired"]
+    lines = [
+        "## Evaluation", "",
+        f"pass@1 on the held-out test tasks (`{doc.get('dataset', recipe.TEST_DATASET)}` @ "
+        f"`{doc.get('dataset_revision', recipe.TEST_REVISION)}`), base model vs this adapter, same harness, "
+        "sampling, output cap and agent budget. Unscorable cells (infrastructure failures) are left out of the "
+        "denominators and counted apart.", "",
+        "| | Base | Adapter |", "|---|---|---|",
+        f"| pass@1 | {_pct(base['pass_at_1'])} ({base['correct']}/{base['scored']}) | "
+        f"{_pct(adapter['pass_at_1'])} ({adapter['correct']}/{adapter['scored']}) |",
+        f"| unscorable | {base['unscorable']} | {adapter['unscorable']} |", ""]
+    if paired.get("difference") is not None:
+        low, high = paired["ci95"]
+        lines += [f"Adapter − base over {paired['tasks']} paired tasks: **{100 * paired['difference']:+.1f} points**, "
+                  f"95% paired-bootstrap interval [{100 * low:+.1f}, {100 * high:+.1f}], exact McNemar p = "
+                  f"{paired['mcnemar_p']:.3g}.", ""]
+    return [*lines, "| both correct | only base | only adapter | neither |", "|---|---|---|---|",
+            f"| {paired['both']} | {paired['only_base']} | {paired['only_adapter']} | {paired['neither']} |", ""]
+
+
+def usage_section(target: str, merged: bool) -> list[str]:
+    """transformers (+PEFT) and vLLM (tool-call flags included: OpenCode sends `tool_choice=auto`)."""
+    tools, rev = "--enable-auto-tool-choice --tool-call-parser lfm2", recipe.BASE_MODEL_REVISION
+    if merged:
+        imports = "from transformers import AutoModelForCausalLM, AutoTokenizer"
+        load = (f'model = AutoModelForCausalLM.from_pretrained("{target}", dtype="bfloat16")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{target}")')
+        serve, notes = f"vllm serve {target} {tools}", []
+    else:  # the base at the revision the adapter was trained on, never whatever `main` is later, and its template
+        imports = ("from pathlib import Path\n\nfrom huggingface_hub import hf_hub_download\n"
+                   "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer")
+        load = (f'base = AutoModelForCausalLM.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}", '
+                'dtype="bfloat16")\n'
+                f'model = PeftModel.from_pretrained(base, "{target}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}")\n'
+                f'tokenizer.chat_template = Path(hf_hub_download("{target}", "{CHAT_TEMPLATE_FILE}")).read_text()')
+        serve = (f"hf download {target} {CHAT_TEMPLATE_FILE} --local-dir .\n"
+                 f"vllm serve {recipe.BASE_MODEL} --revision {rev} --tokenizer-revision {rev} --enable-lora "
+                 f"--max-lora-rank {recipe.LORA_R} --lora-modules {recipe.ADAPTER_SERVED_NAME}={target} {tools} "
+                 f"--chat-template {CHAT_TEMPLATE_FILE}")
+        notes = [f"`{CHAT_TEMPLATE_FILE}` in this repo is the chat template the adapter was trained and served with "
+                 "(TRL's LFM2.5 template); the base repo's own differs (it opens `<think>` in the generation prompt): "
+                 "set it on the tokenizer and pass it to vLLM, as above.", "",
+                 f"The base model's revision is recorded in `adapter_config.json` (`revision`: `{rev}`), where PEFT's "
+                 "`AutoPeftModelForCausalLM` reads it to load the base; the Hub reads the metadata's `base_model` as "
+                 "a repo id only.", ""]
+    return ["## Use it", "", "With transformers:", "", "```python", imports, "", load, "```", "",
+            "With vLLM (OpenAI-compatible server; OpenCode sends `tool_choice=auto`, so keep the tool-call flags):", "",
+            "```bash", serve, "```", "", *notes]
+
+
+def published_card(target: str, checkpoint: str, steps: int | None, results: dict[str, Any] | None, merged: bool,
+                   size_mb: float) -> str:
+    """The README.md pushed with the adapter (or the merged model)."""
+    what = (f"`{recipe.BASE_MODEL}` with the LoRA adapter merged into its weights (a full model)" if merged else
+            f"A LoRA adapter ({size_mb:.1f} MB) for `{recipe.BASE_MODEL}`")
+    data = card_data(merged=merged, model_name=target.split("/")[-1], results=results)
+    return card(data, target, [f"{what}, {HOW}."], checkpoint, steps,
+                sections=[*(eval_section(results) if results else []), *usage_section(target, merged)])

@@ -56,9 +56,6 @@ TEST_REVISION = "b130595b579fc6026ad5762925a9a3b40e72f5bb"
 TRAIN_MEDIUM = 400
 TRAIN_HARD = 600
 TEST_TASKS = 250
-# data/train.json and data/test.json are the lineage's own lists (data/README.md). `prepare_tasks.py freeze`
-# selects lists for other revisions or task pools, in an order seeded by this.
-FREEZE_SEED = 20260101
 # SHA-256 of every task's tests/grader.py at the pinned revisions (the lineage's corrected, numeric-only
 # grader); a task whose grader differs would score answers differently and is refused.
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
@@ -312,10 +309,6 @@ PUSH_BACKOFF_S = 30.0
 # huggingface_hub does not retry it. A commit's files are uploaded before its commit call, so the call that holds
 # the repo takes seconds: first wait 5 s, doubled (5+10+20+40 s over PUSH_RETRIES attempts) outlasts a queue of them.
 CONFLICT_BACKOFF_S = 5.0
-# A compare-and-swap that lost (HTTP 412: another writer committed first), or a head read that still answers a head
-# this writer saw superseded (repo_info can lag right after a commit): wait before reading the head again, first
-# 2 s, doubled (2+4+8+16 s), instead of rebuilding at once against the same stale answer.
-CAS_BACKOFF_S = 2.0
 
 # Trainer weight-sync modes (train_weight_sync.py): TRL's merge -> send -> unmerge, or the merge-free stream.
 WEIGHT_SYNC_MODES = ("merge_free", "stock")

@@ -586,7 +586,7 @@ def clear(api: Any, repo_id: str, cap_s: int | None = None) -> int:
                           commit_message=message, parent_commit=head)
         return len(stale)
 
-    return adapter_repo.with_retries(f"commit {message!r} to {repo_id}", attempt, compare_and_swap=True)
+    return adapter_repo.with_retries(f"commit {message!r} to {repo_id}", attempt)
 
 
 def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -144,7 +144,7 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         weight_sync=recipe.knob("WEIGHT_SYNC", env),
         sandbox=sandbox,
         device=_choice(env, "DEVICE", "cuda", DEVICES),
-        report_to=dashboard.reporter(env),
+        report_to=recipe.knob("REPORT_TO", env),
         dashboard_space=dashboard.space(env),
         run_name=dashboard.run_name("train", env),
     )

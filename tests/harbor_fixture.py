@@ -22,10 +22,13 @@ ones did, so the 4 GB patch is visible.
 from __future__ import annotations
 
 import hashlib
+import json
 import random
+import tomllib
 from pathlib import Path
 
 BUCKET = "AdithyaSK/jupyter-agent-kaggle-all"
+LIST_SEED = 20260101  # the seed the lists of these tests were always selected with
 
 TASK_TOML = '''schema_version = "1.2"
 artifacts = []
@@ -171,8 +174,46 @@ def publish(hub: object, repo_id: str, snapshot: Path) -> None:
     hub.upload_folder(repo_id=repo_id, folder_path=snapshot, repo_type="dataset")
 
 
+def list_json(rows: list[dict[str, str]]) -> str:
+    """A task list in data/*.json's layout: one row per line, keys in prepare_tasks.FIELDS order."""
+    import prepare_tasks
+
+    return "[\n" + ",\n".join("  " + json.dumps({k: r[k] for k in prepare_tasks.FIELDS}) for r in rows) + "\n]\n"
+
+
+def snapshot_rows(root: Path) -> list[dict[str, str]]:
+    """The list row of every task in a snapshot, sorted by name."""
+    rows = []
+    for folder in sorted(p for p in (Path(root) / "tasks").iterdir() if p.is_dir()):
+        meta = tomllib.loads((folder / "task.toml").read_text())["metadata"]
+        rows.append({"name": folder.name, "source": meta["source_row_id"],
+                     "notebook": meta["source_row_id"].rsplit("_qa_", 1)[0], "difficulty": meta["difficulty_tier"],
+                     "instruction_sha256": hashlib.sha256((folder / "instruction.md").read_bytes()).hexdigest()})
+    return rows
+
+
+def write_lists(sources: dict[str, Path], data_dir: Path, counts: object) -> dict[str, list[dict[str, str]]]:
+    """Lists for synthetic snapshots (the recipe's are committed): in a seeded order, the first `counts.test` test
+    tasks, and the first `counts.medium` medium and `counts.hard` hard train tasks sharing no source or notebook
+    with them, in that order (so the list's order is not the served, alphabetical one)."""
+
+    def ranked(rows: list[dict[str, str]]) -> list[dict[str, str]]:
+        return sorted(rows, key=lambda r: hashlib.sha256(f"{LIST_SEED}:{r['name']}".encode()).hexdigest())
+
+    test = ranked(snapshot_rows(sources["test"]))[: counts.test]
+    taken = {r[key] for r in test for key in ("source", "notebook")}
+    free = [r for r in ranked(snapshot_rows(sources["train"])) if not {r["source"], r["notebook"]} & taken]
+    picked = {r["name"] for tier, n in (("medium", counts.medium), ("hard", counts.hard))
+              for r in [r for r in free if r["difficulty"] == tier][:n]}
+    lists = {"train": [r for r in free if r["name"] in picked], "test": test}
+    Path(data_dir).mkdir(parents=True, exist_ok=True)
+    for split, rows in lists.items():
+        (Path(data_dir) / f"{split}.json").write_text(list_json(rows))
+    return lists
+
+
 def materialized(root: Path, n_medium: int = 4, n_hard: int = 6, n_test: int = 3) -> Path:
-    """Frozen lists in root/data and prepared tasks in root/tasks/{train,test}, as a job would have them.
+    """Lists in root/data and prepared tasks in root/tasks/{train,test}, as a job would have them.
 
     For tests of whatever consumes prepared tasks (env server, eval); returns root/tasks.
     """
@@ -183,7 +224,7 @@ def materialized(root: Path, n_medium: int = 4, n_hard: int = 6, n_test: int = 3
                "test": make_snapshot(root / "snapshots" / "test", n_test // 2, n_test - n_test // 2, 1,
                                      first_notebook=900_000)}
     counts = prepare_tasks.Counts(medium=n_medium, hard=n_hard, test=n_test)
-    prepare_tasks.freeze(sources, root / "data", api=None, counts=counts)
+    write_lists(sources, root / "data", counts)
     prepare_tasks.materialize(root / "tasks", prepare_tasks.SPLITS, sources, root / "data", api=None, counts=counts,
                               grader_sha256=GRADER_SHA256)
     return root / "tasks"

@@ -25,7 +25,7 @@ def test_unreachable_space_falls_back_to_local_logs_with_one_line(monkeypatch, c
     trackio.finish()
     out, err = capsys.readouterr()
     [line] = [line for line in out.splitlines() if line.startswith("dashboard:")]
-    assert f"Space {recipe.DASHBOARD_SPACE} unavailable" in line and "logging locally" in line
+    assert f"Space {recipe.DASHBOARD_SPACE} unavailable" in line and "metrics are logged locally" in line
     assert CANARY not in out + err
     assert [row["train/loss"] for row in SQLiteStorage.get_logs("dashboard-test", run)] == [0.5]
 

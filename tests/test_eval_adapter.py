@@ -571,7 +571,7 @@ def test_a_full_eval_started_while_the_head_read_lags_the_final_push_evaluates_t
     lora = ea.LoraServer(vllm.url)
     doc = ea.evaluate(hub, REPO, adapter_repo.FINAL, EvalFactoryDouble(vllm.url, lambda t, m: 1.0), _tasks(2), lora,
                       tmp_path / "work", concurrency=1)
-    assert waits == [recipe.CAS_BACKOFF_S, 2 * recipe.CAS_BACKOFF_S]
+    assert waits == [recipe.CONFLICT_BACKOFF_S, 2 * recipe.CONFLICT_BACKOFF_S]
     assert adapter_repo.checkpoint_complete(hub.list_repo_files(REPO, revision=doc["adapter_revision"]),
                                             adapter_repo.FINAL)
     assert doc["weights"]["adapter"] == ea.adapter_weights(adapter_dir) and doc["summary"]["adapter"]["correct"] == 2

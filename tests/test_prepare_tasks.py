@@ -1,8 +1,8 @@
 """prepare_tasks.py on synthetic SmolDataEnvs Harbor snapshots (real on-disk format, small counts).
 
-Covers issue 2's acceptance list: freeze determinism and composition, materialize from local snapshots
-and from a Hub stand-in, the patched task.toml read back with tomllib (and loaded by Harbor and
-OpenEnv), every bad input, and that a failure leaves nothing partial behind.
+Covers issue 2's acceptance list: materialize from local snapshots and from a Hub stand-in, the patched
+task.toml read back with tomllib (and loaded by Harbor and OpenEnv), every bad input, and that a failure
+leaves nothing partial behind.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 from harbor.models.task.task import Task
-from harbor_fixture import GRADER_SHA256, make_snapshot, make_task, materialized, name_of, publish, source_of
+from harbor_fixture import GRADER_SHA256, list_json, make_snapshot, make_task, materialized, publish, write_lists
 from hub_double import LocalHub
 from openenv.harbor.tasks import _task_dirs_from_directory
 
@@ -26,8 +26,6 @@ import recipe
 
 ROOT = Path(__file__).resolve().parent.parent
 COUNTS = pt.Counts(medium=4, hard=6, test=3)
-COUNTS_ONLY = ["--train-medium", "4", "--train-hard", "6", "--test-tasks", "3"]
-SMALL = [*COUNTS_ONLY, "--grader-sha256", GRADER_SHA256]  # the fixture's tasks carry the fixture's grader
 # The fixture's task.toml carries `allow_internet` like the generator's; Harbor 0.25 warns it is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:The 'allow_internet' field is deprecated")
 PATCHED = {"docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB}
@@ -44,9 +42,9 @@ def snapshots(tmp_path_factory):
 
 @pytest.fixture
 def work(tmp_path, snapshots):
-    """Writable copies of both snapshots and their frozen lists in tmp_path/data."""
+    """Writable copies of both snapshots and their lists in tmp_path/data."""
     sources = {s: shutil.copytree(p, tmp_path / f"snap-{s}") for s, p in snapshots.items()}
-    pt.freeze(sources, tmp_path / "data", api=None, counts=COUNTS)
+    write_lists(sources, tmp_path / "data", COUNTS)
     return tmp_path, sources
 
 
@@ -69,8 +67,10 @@ def hub_with(tmp_path: Path, sources: dict[str, Path]) -> RecordingHub:
     return hub
 
 
-def run_main(argv: list[str], capsys, api=None) -> tuple[int, str]:
-    rc = pt.main(argv, api=api)
+def run_main(argv: list[str], capsys, api=None, counts: pt.Counts = COUNTS,
+             grader_sha256: str = GRADER_SHA256) -> tuple[int, str]:
+    """main() on the small lists; the fixture's tasks carry the fixture's grader."""
+    rc = pt.main(argv, api=api, counts=counts, grader_sha256=grader_sha256)
     return rc, capsys.readouterr().err
 
 
@@ -91,131 +91,24 @@ def load(path: Path) -> list[dict]:
 
 
 # --- CLI ---------------------------------------------------------------------------------------------
-def test_help_documents_both_actions():
+def test_help_documents_the_inputs():
     res = subprocess.run([sys.executable, "prepare_tasks.py", "--help"], cwd=ROOT, capture_output=True, text=True,
                          timeout=60)
     assert res.returncode == 0, res.stderr
-    for text in ("freeze", "materialize", "--split", "--train-source", "--test-source", "--out",
-                 "data/train.json", recipe.TASK_IMAGE, recipe.TRAIN_REVISION, recipe.TEST_REVISION):
+    for text in ("--split", "--train-source", "--test-source", "--out", "data/train.json", recipe.TRAIN_REVISION,
+                 recipe.TEST_REVISION):
         assert text in res.stdout
 
 
-def test_missing_lists_are_restored_from_git_not_refrozen(tmp_path):
-    """A real process: exit status non-zero, one line that says how to restore the committed lists, nothing written.
-
-    Freezing again would pick other tasks than the recipe's, so it is named only for other revisions or pools."""
+def test_missing_lists_are_restored_from_git(tmp_path):
+    """A real process: exit status non-zero, one line that says how to restore the committed lists, nothing written."""
     out = tmp_path / "tasks"
     res = subprocess.run([sys.executable, "prepare_tasks.py", "--out", str(out), "--data", str(tmp_path / "nodata")],
                          cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 2
     line = error_line(res.stderr)
     assert "train.json is missing: restore the recipe's lists with `git checkout -- data`" in line
-    assert "`.venv/bin/python prepare_tasks.py freeze` is only for another dataset revision or task pool" in line
     assert not out.exists()
-
-
-# --- freeze -----------------------------------------------------------------------------------------
-def test_freeze_composition(work):
-    tmp_path, sources = work
-    train, test = load(tmp_path / "data" / "train.json"), load(tmp_path / "data" / "test.json")
-    assert [r["difficulty"] for r in train].count("medium") == 4
-    assert [r["difficulty"] for r in train].count("hard") == 6 and len(train) == 10
-    assert len(test) == 3
-    for split, rows in (("train", train), ("test", test)):
-        assert len({r["name"] for r in rows}) == len(rows)
-        for row in rows:
-            assert set(row) == set(pt.FIELDS)
-            folder = sources[split] / "tasks" / row["name"]
-            assert row["instruction_sha256"] == hashlib.sha256((folder / "instruction.md").read_bytes()).hexdigest()
-            meta = tomllib.loads((folder / "task.toml").read_text())["metadata"]
-            assert row["source"] == meta["source_row_id"] and name_of(row["source"]) == row["name"]
-            assert row["notebook"] == row["source"].rsplit("_qa_", 1)[0] and row["notebook"].endswith(".ipynb")
-            assert row["difficulty"] == meta["difficulty_tier"]
-    # The fixed seeded order: listed in rank order, and no unlisted task of a tier outranks a listed one.
-    ranks = [pt.rank(r["name"], recipe.FREEZE_SEED) for r in train]
-    assert ranks == sorted(ranks)
-    all_rows = pt.scan_snapshot(sources["train"], "train")
-    for tier in ("medium", "hard"):
-        chosen = {r["name"] for r in train if r["difficulty"] == tier}
-        rest = [r["name"] for r in all_rows if r["difficulty"] == tier and r["name"] not in chosen]
-        assert rest and max(pt.rank(n, recipe.FREEZE_SEED) for n in chosen) < min(
-            pt.rank(n, recipe.FREEZE_SEED) for n in rest)
-    assert not {r["notebook"] for r in train} & {r["notebook"] for r in test}
-
-
-def test_freeze_is_byte_identical_for_the_same_inputs(work, snapshots):
-    tmp_path, _ = work
-    moved = {s: shutil.copytree(p, tmp_path / "elsewhere" / s) for s, p in snapshots.items()}
-    pt.freeze(moved, tmp_path / "again", api=None, counts=COUNTS)
-    for name in ("train.json", "test.json"):
-        first = (tmp_path / "data" / name).read_bytes()
-        assert first == (tmp_path / "again" / name).read_bytes()
-        assert first.endswith(b"}\n]\n")
-        for line in first.decode().splitlines()[1:-1]:
-            row = json.loads(line.rstrip(","))
-            assert tuple(row) == pt.FIELDS  # the committed lists' layout
-    # The seed is what fixes the order: another seed picks or orders differently.
-    other = pt.freeze(snapshots, tmp_path / "seed2", api=None, counts=COUNTS, seed=recipe.FREEZE_SEED + 1)
-    assert [r["name"] for r in other["train"]] != [r["name"] for r in load(tmp_path / "data" / "train.json")]
-
-
-def test_freeze_keeps_train_off_test_notebooks_and_sources(tmp_path, snapshots):
-    train = shutil.copytree(snapshots["train"], tmp_path / "train")
-    test = shutil.copytree(snapshots["test"], tmp_path / "test")
-    shared = pt.scan_snapshot(train, "train")
-    medium = [r for r in shared if r["difficulty"] == "medium"]
-    # One test task from the notebook of a train medium task, one carrying a train hard task's exact source.
-    notebook_id = int(medium[0]["notebook"].rsplit("/", 1)[1].split(".")[0])
-    make_task(test, source_of(notebook_id, 9), "medium")
-    hard = next(r for r in shared if r["difficulty"] == "hard")
-    make_task(test, hard["source"], "hard", name="renamed_" + hard["name"])
-    lists = pt.freeze({"train": train, "test": test}, tmp_path / "data", api=None,
-                      counts=pt.Counts(medium=4, hard=6, test=7))
-    assert medium[0]["notebook"] in {r["notebook"] for r in lists["test"]}
-    assert hard["source"] in {r["source"] for r in lists["test"]}
-    assert medium[0]["notebook"] not in {r["notebook"] for r in lists["train"]}
-    assert hard["source"] not in {r["source"] for r in lists["train"]}
-    assert len(lists["train"]) == 10
-
-
-@pytest.mark.parametrize("flag, value, expect", [
-    ("--train-medium", "7", "6 medium tasks free of test overlap, 7 are needed"),
-    ("--train-hard", "9", "8 hard tasks free of test overlap, 9 are needed"),
-    ("--test-tasks", "6", "the test snapshot has 5 tasks, 6 are needed"),
-])
-def test_freeze_refuses_too_few_tasks(tmp_path, snapshots, capsys, flag, value, expect):
-    argv = ["freeze", "--train-source", str(snapshots["train"]), "--test-source", str(snapshots["test"]),
-            "--data", str(tmp_path / "data"), *SMALL]
-    argv[argv.index(flag) + 1] = value
-    rc, err = run_main(argv, capsys)
-    assert rc == 2 and expect in error_line(err)
-    assert not (tmp_path / "data").exists()
-
-
-def test_freeze_from_the_hub_reads_only_the_pinned_revisions(tmp_path, snapshots, work):
-    hub = hub_with(tmp_path, snapshots)
-    pt.freeze({"train": None, "test": None}, tmp_path / "hubdata", api=hub, counts=COUNTS)
-    for name in ("train.json", "test.json"):
-        assert (tmp_path / "hubdata" / name).read_bytes() == (tmp_path / "data" / name).read_bytes()
-    assert [(d["repo_id"], d["revision"], d["repo_type"]) for d in hub.downloads] == [
-        (recipe.TRAIN_DATASET, recipe.TRAIN_REVISION, "dataset"),
-        (recipe.TEST_DATASET, recipe.TEST_REVISION, "dataset")]
-    assert all(d["allow_patterns"] == ["tasks/*/task.toml", "tasks/*/instruction.md"] for d in hub.downloads)
-
-
-def test_task_row_rule(tmp_path):
-    folder = make_task(tmp_path, source_of(324293, 2), "Hard")
-    row = pt.task_row(folder)
-    assert row["name"] == "0000_324_324293_qa_2"
-    assert (row["source"], row["notebook"], row["difficulty"]) == (
-        "0000/324/324293.ipynb_qa_2", "0000/324/324293.ipynb", "hard")
-    toml = folder / "task.toml"
-    toml.write_text(toml.read_text().replace('source_row_id = "0000/324/324293.ipynb_qa_2"\n',
-                                             'source = "row-7"\nnotebook = "nb/7.ipynb"\n'))
-    assert (pt.task_row(folder)["source"], pt.task_row(folder)["notebook"]) == ("row-7", "nb/7.ipynb")
-    toml.write_text(toml.read_text().replace('notebook = "nb/7.ipynb"\n', ""))
-    with pytest.raises(pt.ConfigError, match="0000_324_324293_qa_2: task.toml has no .metadata..source_row_id"):
-        pt.task_row(folder)
 
 
 # --- materialize ------------------------------------------------------------------------------------
@@ -223,7 +116,7 @@ def test_materialize_copies_verifies_and_patches(work, capsys):
     tmp_path, sources = work
     out = tmp_path / "tasks"
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"),
-                        "--train-source", str(sources["train"]), "--test-source", str(sources["test"]), *SMALL], capsys)
+                        "--train-source", str(sources["train"]), "--test-source", str(sources["test"])], capsys)
     assert rc == 0, err
     assert "[prepare_tasks] verify train: 10/10" in err and "[prepare_tasks] copy test: 3/3" in err
     assert leftovers(out) == ["test", "train"]
@@ -231,7 +124,7 @@ def test_materialize_copies_verifies_and_patches(work, capsys):
         rows = load(tmp_path / "data" / f"{split}.json")
         assert sorted(p.name for p in (out / split / "tasks").iterdir()) == sorted(r["name"] for r in rows)
         manifest = json.loads((out / split / "manifest.json").read_text())
-        dataset, revision = pt.dataset_of(split)
+        dataset, revision = pt.DATASETS[split]
         assert (manifest["count"], manifest["dataset"], manifest["revision"], manifest["origin"]) == (
             len(rows), dataset, revision, "local")
         for row in rows:
@@ -259,11 +152,11 @@ def test_materialize_copies_verifies_and_patches(work, capsys):
 def test_materialize_from_the_hub_fetches_only_listed_folders(work, capsys):
     tmp_path, sources = work
     hub, out = hub_with(tmp_path, sources), tmp_path / "tasks"
-    rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), *SMALL], capsys, api=hub)
+    rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data")], capsys, api=hub)
     assert rc == 0, err
     for split, download in zip(pt.SPLITS, hub.downloads, strict=True):
         rows = load(tmp_path / "data" / f"{split}.json")
-        assert (download["repo_id"], download["revision"], download["repo_type"]) == (*pt.dataset_of(split), "dataset")
+        assert (download["repo_id"], download["revision"], download["repo_type"]) == (*pt.DATASETS[split], "dataset")
         assert download["allow_patterns"] == [f"tasks/{r['name']}/*" for r in rows]
         # The snapshot holds more tasks (easy ones, unpicked ones) than the list: none of them arrive.
         assert sorted(p.name for p in (out / split / "tasks").iterdir()) == sorted(r["name"] for r in rows)
@@ -275,7 +168,7 @@ def test_materialize_is_repeatable_and_one_split_at_a_time(work, capsys):
     tmp_path, sources = work
     out = tmp_path / "tasks"
     base = ["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
-            "--test-source", str(sources["test"]), *SMALL]
+            "--test-source", str(sources["test"])]
     assert run_main([*base, "--split", "train"], capsys)[0] == 0
     assert leftovers(out) == ["train"]
     first = (out / "train" / "manifest.json").read_bytes()
@@ -317,7 +210,7 @@ def test_bad_snapshot_fails_naming_the_task_and_leaves_nothing(work, capsys, bre
     name, expect = break_source(sources, rows)
     out = tmp_path / "tasks"
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
-                        "--test-source", str(sources["test"]), *SMALL], capsys)
+                        "--test-source", str(sources["test"])], capsys)
     line = error_line(err)
     assert rc == 2 and name in line and expect in line
     assert "use the pinned" in line  # and says how to fix it
@@ -325,12 +218,13 @@ def test_bad_snapshot_fails_naming_the_task_and_leaves_nothing(work, capsys, bre
 
 
 def test_a_grader_other_than_the_recipes_is_refused_by_default(work, capsys):
-    """Without --grader-sha256 the recipe's GRADER_SHA256 is expected: the fixture's own grader is refused."""
+    """By default the recipe's GRADER_SHA256 is expected: the fixture's own grader is refused."""
     tmp_path, sources = work
     first = load(tmp_path / "data" / "train.json")[0]["name"]
     out = tmp_path / "tasks"
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
-                        "--test-source", str(sources["test"]), *COUNTS_ONLY], capsys)
+                        "--test-source", str(sources["test"])], capsys,
+                       grader_sha256=recipe.GRADER_SHA256)
     line = error_line(err)
     assert rc == 2 and f"train task {first}: tests/grader.py sha256 {GRADER_SHA256[:16]}" in line
     assert recipe.GRADER_SHA256[:16] in line and "GRADER_SHA256" in line
@@ -374,10 +268,10 @@ def test_bad_list_fails_before_anything_is_written(work, capsys, break_list):
     rows = {s: load(tmp_path / "data" / f"{s}.json") for s in pt.SPLITS}
     name, expect = break_list(rows)
     for split in pt.SPLITS:
-        (tmp_path / "data" / f"{split}.json").write_text(pt.list_json(rows[split]))
+        (tmp_path / "data" / f"{split}.json").write_text(list_json(rows[split]))
     out = tmp_path / "tasks"
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
-                        "--test-source", str(sources["test"]), *SMALL], capsys)
+                        "--test-source", str(sources["test"])], capsys)
     line = error_line(err)
     assert rc == 2 and name in line and expect in line and "`git checkout -- data`" in line
     assert not out.exists()
@@ -387,7 +281,7 @@ def test_failed_rerun_keeps_the_previous_good_copy(work, capsys):
     tmp_path, sources = work
     out = tmp_path / "tasks"
     argv = ["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
-            "--test-source", str(sources["test"]), *SMALL]
+            "--test-source", str(sources["test"])]
     assert run_main(argv, capsys)[0] == 0
     before = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
     corrupt_instruction(sources, {s: load(tmp_path / "data" / f"{s}.json") for s in pt.SPLITS})
@@ -402,7 +296,7 @@ def test_refuses_to_replace_a_folder_it_did_not_write(work, capsys):
     (out / "train").mkdir(parents=True)
     (out / "train" / "precious.txt").write_text("mine")
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), "--train-source", str(sources["train"]),
-                        "--test-source", str(sources["test"]), *SMALL], capsys)
+                        "--test-source", str(sources["test"])], capsys)
     assert rc == 2 and "was not written by prepare_tasks.py" in error_line(err)
     assert (out / "train" / "precious.txt").read_text() == "mine" and leftovers(out) == ["train"]
 
@@ -410,7 +304,7 @@ def test_refuses_to_replace_a_folder_it_did_not_write(work, capsys):
 def test_download_failure_is_one_line_and_leaves_nothing(work, capsys):
     tmp_path, _ = work
     out = tmp_path / "tasks"
-    rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data"), *SMALL], capsys,
+    rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data")], capsys,
                        api=LocalHub(tmp_path / "empty-hub"))
     line = error_line(err)
     assert rc == 2 and f"download of {recipe.TRAIN_DATASET}@{recipe.TRAIN_REVISION} failed" in line
@@ -429,7 +323,7 @@ def test_materialized_fixture_gives_other_tests_a_prepared_dataset(tmp_path):
 
 def test_an_out_folder_that_cannot_be_made_is_one_line(capsys):
     """Issue 43 (13): `--out /proc/x` printed an 18-line traceback."""
-    rc, err = run_main(["--out", "/proc/x", "--split", "train"], capsys)
+    rc, err = run_main(["--out", "/proc/x", "--split", "train"], capsys, counts=pt.Counts())
     assert rc == 2
     assert error_line(err) == ("prepare_tasks.py: error: --out /proc/x cannot be created (No such file or directory): "
                                "choose a folder you can write")

@@ -13,6 +13,7 @@ from collections import Counter
 from pathlib import Path
 
 import pytest
+from harbor_fixture import list_json
 
 import prepare_tasks as pt
 
@@ -54,6 +55,6 @@ def test_the_lists_pass_the_checks_every_job_and_launch_runs():
 
 
 @pytest.mark.parametrize("split", pt.SPLITS)
-def test_freeze_writes_the_committed_layout(split):
-    """One format: what `freeze` would write for these rows is the committed file, byte for byte."""
-    assert pt.list_json(rows(split)) == (DATA / f"{split}.json").read_text()
+def test_the_tests_lists_have_the_committed_layout(split):
+    """One format: what the tests' list writer makes of these rows is the committed file, byte for byte."""
+    assert list_json(rows(split)) == (DATA / f"{split}.json").read_text()

@@ -33,7 +33,7 @@ class ServedTaskFactory:
 
 @pytest.fixture(scope="module")
 def prepared(tmp_path_factory) -> Path:
-    """Lists frozen and tasks materialized by prepare_tasks.py itself, as a job has them (root/data, root/tasks)."""
+    """Lists and tasks materialized by prepare_tasks.py itself, as a job has them (root/data, root/tasks)."""
     return materialized(tmp_path_factory.mktemp("order"), n_medium=5, n_hard=7).parent
 
 
