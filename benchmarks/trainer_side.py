@@ -56,7 +56,8 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import recipe  # noqa: E402
 import train_weight_sync  # noqa: E402
-from train_lora import conv_safe_batching, lora_config, lora_param_count  # noqa: E402
+from tests.tiny_lfm2 import lora_param_count  # noqa: E402
+from train_lora import conv_safe_batching, lora_config  # noqa: E402
 
 # LFM2-2.6B as read off its public ONNX export (FACTS.md); --config replaces it with a real config.json.
 LFM2_2_6B = dict(
@@ -216,7 +217,7 @@ def adapter_size(table: Table, model: torch.nn.Module, config: Lfm2Config) -> No
         "1",
         "LoRA trainable params",
         f"{n_lora:,}",
-        f"formula (FACTS.md, train_lora.lora_param_count): {formula:,}",
+        f"formula (FACTS.md, tests/tiny_lfm2.lora_param_count): {formula:,}",
         "matches" if n_lora == formula else "DIFFERS from the formula",
     )
     with tempfile.TemporaryDirectory() as tmp:
