@@ -45,13 +45,19 @@ logger = logging.getLogger("train_lora")
 
 # --- 1. Trainer -------------------------------------------------------------------------------------------------------
 def grpo_config(settings: Settings) -> AsyncGRPOConfig:
-    """The trainer's config: recipe numbers plus this run's steps, URLs and output directory."""
+    """The trainer's config: recipe numbers plus this run's steps, URLs and output directory.
+
+    The base loads at the pinned revision, config included: without `architecture`, TRL 1.15 reads the config from
+    `main` to pick the model class.
+    """
+    from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
+    pinned = {"revision": settings.revision, "architecture": AutoModelForCausalLM} if settings.revision else None
     return AsyncGRPOConfig(
         output_dir=settings.output_dir,
         dtype=recipe.TRAINER_DTYPE,
-        model_init_kwargs=model_init_kwargs(settings),
+        model_init_kwargs=pinned,
         use_cpu=settings.device == "cpu",
         bf16=settings.device == "cuda",
         learning_rate=settings.learning_rate,
@@ -75,16 +81,6 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
         hub_private_repo=True,
         **conv_safe_batching(),
     )
-
-
-def model_init_kwargs(settings: Settings) -> dict[str, Any] | None:
-    """Load the base model at the pinned revision, config included: without `architecture`, TRL 1.15 reads the
-    config from `main` to pick the model class."""
-    from transformers import AutoModelForCausalLM
-
-    if Path(settings.model).is_dir():
-        return None
-    return {"revision": settings.model_revision, "architecture": AutoModelForCausalLM}
 
 
 @functools.cache
@@ -251,8 +247,7 @@ def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
 
     from chat_template import chat_template
 
-    revision = None if Path(settings.model).is_dir() else settings.model_revision
-    tokenizer = AutoTokenizer.from_pretrained(settings.model, revision=revision)
+    tokenizer = AutoTokenizer.from_pretrained(settings.model, revision=settings.revision)
     tokenizer.chat_template = chat_template()
     tokenizer.response_template = copy.deepcopy(lfm2_2_5_template)
     return tokenizer
@@ -262,9 +257,8 @@ def eos_token_ids(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> lis
     """Every id that ends a completion: the tokenizer's eos and the generation config's (TRL's rule for its worker)."""
     from transformers import GenerationConfig
 
-    revision = None if Path(settings.model).is_dir() else settings.model_revision
     try:
-        declared = GenerationConfig.from_pretrained(settings.model, revision=revision).eos_token_id
+        declared = GenerationConfig.from_pretrained(settings.model, revision=settings.revision).eos_token_id
     except OSError:  # No generation_config.json: the tokenizer's eos is the only one.
         declared = None
     ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
@@ -292,26 +286,19 @@ def rollout_worker(
             train_rollouts.refresh_heartbeat(settings.heartbeat_file, ledger)
 
     args = grpo_config(settings)
+    same_names = ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature", "top_p", "top_k", "min_p",
+                  "repetition_penalty", "request_timeout", "max_tool_calling_iterations")
     return ProgressWorker(
         model_name=settings.served_model_name,
         dataset=dataset,
         reward_funcs=[],
         processing_class=tokenizer,
         eos_token_ids=eos_token_ids(settings, tokenizer),
-        num_generations=args.num_generations,
-        max_inflight_tasks=args.max_inflight_tasks,
-        queue_maxsize=args.queue_maxsize,
         vllm_server_url=args.vllm_server_base_url,
         max_tokens=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        request_timeout=args.request_timeout,
-        max_tool_calling_iterations=args.max_tool_calling_iterations,
         harness_session_factory=train_rollouts.guarded(factory, ledger),
         rollout_reward_fn=reward,
+        **{name: getattr(args, name) for name in same_names},
     )
 
 
@@ -403,6 +390,11 @@ class Settings:
     report_to: str = recipe.REPORT_TO
     dashboard_space: str | None = recipe.DASHBOARD_SPACE
     run_name: str = "train"
+
+    @property
+    def revision(self) -> str | None:
+        """The model's pinned revision; None for a local model folder."""
+        return None if Path(self.model).is_dir() else self.model_revision
 
 
 def _url(env: Mapping[str, str], name: str, default: str) -> str:
