@@ -371,7 +371,7 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     training = report["training"]
     assert training["steps_done"] == 3 and training["step_s"]["max"] > 0
     assert 0.9 < training["ratio"]["min"] <= training["ratio"]["max"] < 1.1
-    assert training["sync_ms"]["median"] > 0 and training["fused_tensors"] == 0  # CPU: cuBLAS's path only
+    assert training["sync_ms"]["median"] > 0
     assert [(c["step"], c["verified"]) for c in report["checkpoints"]] == [(2, True), (3, True)]
     assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
     counts = report["rollouts"]  # both starts: the killed one's counts were kept aside
