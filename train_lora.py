@@ -338,8 +338,8 @@ def conv_safe_batching() -> dict[str, int]:
     """AsyncGRPOConfig fields that give every training row exactly one sample.
 
     TRL 1.15 packs samples into a row with `position_ids` only; attention respects the resets, LFM2's short conv does
-    not (torch's `causal_conv1d_fn` ignores `seq_idx`), so a sample would read the previous one's tail. `token_budget
-    =0` selects TRL's fixed-count batcher; gradient accumulation keeps one GRPO group per step, and
+    not (torch's `causal_conv1d_fn` ignores `seq_idx`), so a sample would read the previous one's tail.
+    `token_budget=0` selects TRL's fixed-count batcher; gradient accumulation keeps one GRPO group per step, and
     train_metrics.StepObjective keeps the loss token-level over it.
     """
     return {"token_budget": 0, "per_device_train_batch_size": 1, "gradient_accumulation_steps": recipe.NUM_GENERATIONS}
