@@ -204,7 +204,6 @@ def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
     low, high = _values(logs, "ratio/sample_min"), _values(logs, "ratio/sample_max")
     step_s = _values(logs, "perf/step_s")
     sync_ms = [v * 1000 for v in _values(logs, "perf/weight_sync_s")]
-    fused = _values(logs, "perf/weight_sync_fused_tensors")
     fork = _values(logs, "rollout/fork_frac")
     # TRL's own per-step counts: samples it dropped as stale (logged only on a step that dropped some) and trained.
     dropped, trained = sum(_values(logs, STALE_KEY)), sum(_values(logs, SAMPLES_KEY))
@@ -225,8 +224,6 @@ def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
         "groups": {"zero_contrast": mean("group/zero_contrast_frac"), "bonus_only": mean("group/bonus_only_frac"),
                    "zero_advantage": mean("sample/zero_advantage_frac")},
         "sync_ms": {"median": statistics.median(sync_ms), "max": max(sync_ms)} if sync_ms else None,
-        # Tensors the last sync sent through the checked fused kernel (0: cuBLAS's path only, e.g. on CPU).
-        "fused_tensors": int(fused[-1]) if fused else None,
         "fork_frac": statistics.fmean(fork) if fork else None,
         "dropped_stale": dropped, "samples_trained": trained,
         "stale_frac": dropped / (dropped + trained) if dropped + trained else None,
@@ -487,8 +484,7 @@ def render(report: dict[str, Any]) -> str:
         lines.append(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['stage']:<11} {s['seconds']:>5} s"
                      f" (budget {num(s['budget_s'])} s)  {s['note'][:40]}")
     step_s, sync = t["step_s"] or {}, t["sync_ms"] or {}
-    fused, token, row, kl, age, groups = (t["fused_tensors"], t["ratio_token"] or {}, t["ratio"] or {}, t["kl"] or {},
-                                          t["by_age"], t["groups"])
+    token, row, kl, age, groups = t["ratio_token"] or {}, t["ratio"] or {}, t["kl"] or {}, t["by_age"], t["groups"]
 
     def pct(value: float | None) -> str:
         return "-" if value is None else f"{value:.1%}"
@@ -511,8 +507,8 @@ def render(report: dict[str, Any]) -> str:
         f"  LoRA: update {num(t['lora_update'], '.2g')}/step, |B| {num(t['lora_b_norm'], '.2g')}, learning rate "
         f"{num(t['learning_rate'], 'g')}; rows from zero-contrast groups {pct(groups['zero_contrast'])}, zero "
         f"advantage {pct(groups['zero_advantage'])}, bonus-only contrast {pct(groups['bonus_only'])}",
-        f"  sync median {num(sync.get('median'), '.1f')} ms, max {num(sync.get('max'), '.1f')} ms; fused tensors "
-        f"{num(fused)}; rollouts ended by the call budget {num(r.get('budget_stopped'))}, the context "
+        f"  sync median {num(sync.get('median'), '.1f')} ms, max {num(sync.get('max'), '.1f')} ms; "
+        f"rollouts ended by the call budget {num(r.get('budget_stopped'))}, the context "
         f"{num(r.get('context_exhausted'))}, a cut at the output cap {num(r.get('cut'))}",
         setup_line(r.get("timing")),
         "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])

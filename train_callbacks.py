@@ -1,7 +1,7 @@
-"""The TrainerCallbacks train_lora.build_trainer adds: checkpoint push, heartbeat, run log, stop after step N.
+"""The trainer's callbacks: checkpoint push, heartbeat, run log, stop after step N.
 
-Kept apart from train_lora.py, which imports this module only when it builds the trainer: transformers'
-TrainerCallback import costs about 8 s of CPU, which `train_lora.py --help` and `--dry-run` should not pay.
+Apart from train_lora.py, which imports it only to build the trainer: transformers' TrainerCallback costs ~8 s of CPU,
+which `train_lora.py --help` and `--dry-run` should not pay.
 """
 
 from __future__ import annotations
@@ -60,11 +60,8 @@ class CheckpointPusher(TrainerCallback):
 
 
 class Heartbeat(TrainerCallback):
-    """Rewrites `<step> <time>` after every optimizer step; run_job.sh's watchdog fails the job when it goes stale.
-
-    While the trainer waits for rollouts, train_rollouts.refresh_heartbeat moves the file's mtime to the last
-    finished rollout too. Each step also logs the rollout counts from the ledger beside it (recipe.LEDGER_NAME).
-    """
+    """Rewrites `<step> <time>` after every optimizer step (run_job.sh's watchdog fails the job when it goes stale)
+    and logs the rollout ledger's counts beside it."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
@@ -78,9 +75,7 @@ class Heartbeat(TrainerCallback):
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
         self.beat(state.global_step)
-        import train_rollouts
-
-        counts = train_rollouts.read_ledger(recipe.work_file(self.path, recipe.LEDGER_NAME))
+        counts = recipe.read_json(recipe.work_file(self.path, recipe.LEDGER_NAME))
         if counts:
             logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
                         counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],
@@ -88,10 +83,9 @@ class Heartbeat(TrainerCallback):
 
 
 class RunLog(TrainerCallback):
-    """Appends each trainer start and every logged step (TRL's metrics: ratio, perf/*, rollout/*, weight_sync/*) to
-    train_log.json, rewritten atomically. Machine-readable, and it spans a resumed start: the smoke report reads it
-    instead of scraping logs. {schema, starts: [{at, resumed_from, global_step, max_steps}], logs: [{start, step, ...}]}
-    """
+    """Appends each trainer start and every logged step to train_log.json, rewritten atomically, across resumed
+    starts (the smoke report reads it): {schema, starts: [{at, resumed_from, global_step, max_steps}], logs: [{start,
+    step, ...}]}."""
 
     def __init__(self, path: str | Path, resumed_from: int | None) -> None:
         self.path, self.resumed_from = Path(path), resumed_from
@@ -114,8 +108,8 @@ class RunLog(TrainerCallback):
 
 
 class StopAfterStep(TrainerCallback):
-    """Ends training right after step N is saved (and so pushed): the smoke run's first trainer start, which a second
-    start then resumes from the Hub exactly as a relaunched job would (same MAX_STEPS, so the same schedule)."""
+    """Ends training right after step N is saved and pushed: the smoke run's first start, which a second resumes
+    from the Hub as a relaunched job would."""
 
     def __init__(self, step: int) -> None:
         self.step = step

@@ -1,18 +1,14 @@
 """Async GRPO with LoRA on LFM2.5-2.6B inside the OpenCode harness (TRL 1.15 AsyncGRPOTrainer).
 
-Runs inside the HF Job started by run_job.sh (vLLM on GPU 1, this trainer on GPU 0, the OpenEnv Harbor
-env server on the same machine). Every knob comes from recipe.py; the environment only says where things
-are and where the adapter goes:
+Run by run_job.sh on GPU 0, beside vLLM (GPU 1) and the OpenEnv Harbor env server. Every knob comes from recipe.py;
+the environment says where things are (docs/training.md lists it):
 
-    ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL HF_TOKEN=hf_... MAX_STEPS=20 \
-        CUDA_VISIBLE_DEVICES=0 python3 train_lora.py
+    ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL HF_TOKEN=hf_... CUDA_VISIBLE_DEVICES=0 python3 train_lora.py
+    ADAPTER_REPO=you/x .venv/bin/python train_lora.py --dry-run   # the resolved configuration; loads nothing
 
-    ADAPTER_REPO=you/x .venv/bin/python train_lora.py --dry-run   # the resolved configuration as JSON; loads
-                                                                  # nothing, needs no token
-
-Checkpoints go to ADAPTER_REPO under checkpoint-N/ every SAVE_STEPS steps, each in one commit that ends
-with checkpoint-N/checkpoint_complete.json; only folders with that marker count as complete. RESUME=1
-(default) continues from the newest complete one, so a relaunched job loses at most one interval.
+In the recipe's order: the trainer, its rollout worker, the reward, the LoRA, the callbacks; then the settings.
+Each checkpoint-N/ is pushed to ADAPTER_REPO in one commit ending in its completion marker; a relaunch (RESUME=1)
+continues from the newest complete one.
 """
 
 from __future__ import annotations
@@ -40,16 +36,332 @@ import recipe
 if TYPE_CHECKING:
     from datasets import Dataset
     from peft import LoraConfig
-    from transformers import PreTrainedTokenizerBase
+    from transformers import PreTrainedTokenizerBase, TrainerCallback
     from trl.experimental.async_grpo import AsyncGRPOConfig, AsyncGRPOTrainer
     from trl.experimental.async_grpo.openenv_harness import HarnessRolloutOutcome, HarnessRolloutWorker
 
 logger = logging.getLogger("train_lora")
 
-DEVICES = ("cuda", "cpu")
+
+# --- 1. Trainer -------------------------------------------------------------------------------------------------------
+def grpo_config(settings: Settings) -> AsyncGRPOConfig:
+    """The trainer's config: recipe numbers plus this run's steps, URLs and output directory.
+
+    The base loads at the pinned revision, config included: without `architecture`, TRL 1.15 reads the config from
+    `main` to pick the model class.
+    """
+    from transformers import AutoModelForCausalLM
+    from trl.experimental.async_grpo import AsyncGRPOConfig
+
+    pinned = {"revision": settings.revision, "architecture": AutoModelForCausalLM} if settings.revision else None
+    return AsyncGRPOConfig(
+        output_dir=settings.output_dir,
+        dtype=recipe.TRAINER_DTYPE,
+        model_init_kwargs=pinned,
+        use_cpu=settings.device == "cpu",
+        bf16=settings.device == "cuda",
+        learning_rate=settings.learning_rate,
+        max_steps=settings.max_steps,
+        save_strategy="steps",
+        save_steps=settings.save_steps,
+        num_generations=recipe.NUM_GENERATIONS,
+        max_completion_length=recipe.MAX_TOKENS,
+        temperature=recipe.TEMPERATURE,
+        top_p=recipe.TOP_P,
+        top_k=recipe.TOP_K,
+        max_tool_calling_iterations=recipe.MAX_TOOL_CALLING_ITERATIONS,
+        max_staleness=settings.max_staleness,
+        max_inflight_tasks=recipe.MAX_INFLIGHT_ROLLOUTS,  # not -1 (auto): the injected worker must read the same
+        vllm_server_base_url=settings.vllm_url,
+        report_to=settings.report_to,
+        project=dashboard.project(settings.adapter_repo),  # Trackio: a project per adapter repo, a run per job
+        run_name=settings.run_name,
+        trackio_space_id=settings.dashboard_space,
+        trackio_static_space_id=False,
+        hub_private_repo=True,
+        **conv_safe_batching(),
+    )
 
 
-# --- 1. Settings: where things are and where the adapter goes ---------------------------------------------------------
+@functools.cache
+def trainer_class(weight_sync: str) -> type[AsyncGRPOTrainer]:
+    """TRL's trainer with the weight sync (train_weight_sync), the token-level step and its metrics (train_metrics)
+    and the resume position (train_resume) mixed in; one class per mode."""
+    import train_metrics
+    import train_resume
+    import train_weight_sync
+
+    base = train_weight_sync.trainer_class(weight_sync)
+    return type(base.__name__, (train_resume.ResumePosition, train_metrics.StepObjective, base),
+                {"__module__": base.__module__, "__doc__": base.__doc__})
+
+
+def build_trainer(
+    settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None,
+    resumed_from: int | None = None,
+) -> AsyncGRPOTrainer:
+    """The trainer with its worker, LoRA and callbacks, counting the rollout ledger's growth per step."""
+    import train_metrics
+
+    factory = factory if factory is not None else session_factory(settings)
+    dataset = train_dataset(factory, settings.task_data)
+    tokenizer = load_tokenizer(settings)
+    trainer = trainer_class(settings.weight_sync)(
+        model=settings.model,
+        args=grpo_config(settings),
+        train_dataset=dataset,
+        processing_class=tokenizer,
+        callbacks=callbacks(settings, api if api is not None else hub_api(settings), resumed_from),
+        peft_config=lora_config(),
+        rollout_worker=rollout_worker(settings, tokenizer, dataset, factory),
+        weight_transfer=weight_transfer,
+    )
+    train_metrics.attach(trainer, recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
+    return trainer
+
+
+def hub_api(settings: Settings) -> Any:
+    from huggingface_hub import HfApi
+
+    return HfApi(token=settings.hf_token)
+
+
+def train(
+    settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
+) -> None:
+    """Resume from the newest complete checkpoint, train, then push the final adapter with the model card to the repo
+    root; not when STOP_AFTER_STEP ended the run early. A start at or past MAX_STEPS trains nothing
+    (finish_trained_run); a final adapter already at the root is never replaced."""
+    import torch
+
+    import train_metrics
+
+    if settings.device == "cuda" and not torch.cuda.is_available():
+        raise recipe.ConfigError("DEVICE=cuda but no CUDA device is visible: check CUDA_VISIBLE_DEVICES, or DEVICE=cpu")
+    api = api if api is not None else hub_api(settings)
+    adapter_repo.require_write_access(api, settings.adapter_repo)  # before any model loads, not at step 100
+    files = api.list_repo_files(settings.adapter_repo)
+    has_final = adapter_repo.checkpoint_complete(files, adapter_repo.FINAL)
+    newest = adapter_repo.complete_checkpoints(files)[-1:] if settings.resume else []
+    if has_final and not (newest and newest[0] >= settings.max_steps):
+        start = f"{adapter_repo.checkpoint_name(newest[0])} (step {newest[0]})" if newest else "step 0"
+        raise recipe.ConfigError(
+            f"{settings.adapter_repo} already holds a final adapter, which training from {start} to "
+            f"MAX_STEPS={settings.max_steps} would replace: evaluate it with `launch.py eval`, or train into a new "
+            "ADAPTER_REPO")
+    if not settings.resume:
+        adapter_repo.refuse_fresh_start(settings.adapter_repo, files)
+    resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
+    resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
+    if resume_dir is not None and resumed_from is not None and resumed_from >= settings.max_steps:
+        finish_trained_run(api, settings, resume_dir, resumed_from, has_final)
+        return
+    trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api,
+                            resumed_from=resumed_from)
+    trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
+    if settings.stop_after_step and trainer.state.global_step < settings.max_steps:
+        logger.info("stopped after step %d (STOP_AFTER_STEP): its checkpoint is pushed; no final adapter yet",
+                    trainer.state.global_step)
+        return
+    final_dir = Path(settings.output_dir) / "final"
+    trainer.save_model(str(final_dir))
+    push_final_adapter(api, settings, final_dir, trainer.state.global_step, train_metrics.dashboard_url(trainer))
+
+
+def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
+    """Download the newest complete checkpoint from the adapter repo into `output_dir`, or None if there is none."""
+    steps = adapter_repo.complete_checkpoints(api.list_repo_files(repo_id))
+    if not steps:
+        logger.info("no complete checkpoint in %s: training from step 0", repo_id)
+        return None
+    local = adapter_repo.download_checkpoint(api, repo_id, steps[-1], Path(output_dir))
+    logger.info("resuming from %s/%s", repo_id, local.name)
+    return local
+
+
+def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int, dashboard_url: str | None) -> None:
+    """The final adapter at the repo root with the training repo's model card, in one commit."""
+    import model_cards
+
+    (final_dir / "README.md").write_text(model_cards.training_card(settings.adapter_repo, steps, dashboard_url,
+                                                                   settings.learning_rate))
+    adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
+
+
+def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int, has_final: bool) -> None:
+    """A start at or past MAX_STEPS (after a failed final push or final eval) trains nothing: transformers would run
+    one more step and push checkpoint-(MAX_STEPS+1). It pushes the final adapter from the newest checkpoint if the root
+    lacks it; run_job.sh then goes on to the final eval."""
+    if has_final:
+        logger.info("%s is at step %d (MAX_STEPS=%d) and its root holds the final adapter: nothing to train or push",
+                    settings.adapter_repo, step, settings.max_steps)
+        return
+    logger.info("%s is at step %d (MAX_STEPS=%d): nothing to train; pushing the final adapter from %s",
+                settings.adapter_repo, step, settings.max_steps, checkpoint.name)
+    final_dir = Path(settings.output_dir) / "final"
+    shutil.copytree(checkpoint, final_dir, dirs_exist_ok=True,
+                    ignore=shutil.ignore_patterns(*adapter_repo.FINAL_ADAPTER_IGNORE, adapter_repo.COMPLETE_MARKER))
+    space = settings.dashboard_space if settings.report_to == "trackio" else None
+    url = dashboard.SPACE_URL.format(dashboard.space_id(space, api.whoami()["name"])) if space else None
+    push_final_adapter(api, settings, final_dir, step, url)
+
+
+# --- 2. Rollout worker: tasks, tokenizer, sessions --------------------------------------------------------------------
+def session_factory(settings: Settings) -> functools.partial:
+    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py), rebuilt in TRL's spawned rollout child.
+
+    `agent_step_limit` has the capture proxy enforce the model-call budget: in loop-owning mode TRL's own
+    `max_tool_calling_iterations` never reaches the agent.
+    """
+    from harbor_sessions import HarborSessionFactory
+
+    return functools.partial(
+        HarborSessionFactory,
+        settings.env_url,
+        split=settings.train_split,
+        llm_url=settings.vllm_url,
+        model=settings.served_model_name,
+        harness="opencode",
+        sandbox=settings.sandbox,
+        agent_timeout_sec=float(recipe.AGENT_TIMEOUT_SEC),
+        agent_step_limit=recipe.AGENT_CALL_LIMIT,
+    )
+
+
+def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset:
+    """The env server's tasks as prompts (`create()` only accepts prompts built by `prompt_rows()`), in the task
+    list's fixed order: TRL iterates this dataset unshuffled from a resume position, on every start."""
+    from datasets import Dataset
+
+    rows = factory().prompt_rows()
+    if not rows:
+        raise recipe.ConfigError("the env server serves no tasks: check the --dataset given to the env server")
+    return Dataset.from_list(prepare_tasks.in_list_order(rows, Path(task_data), "train"))
+
+
+def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
+    """The tokenizer with the chat template vLLM serves (chat_template.py) and TRL's LFM2.5 response template, which
+    add_response_schema does not find for the model repo's own template."""
+    from transformers import AutoTokenizer
+    from trl.chat_template_utils import lfm2_2_5_template
+
+    from chat_template import chat_template
+
+    tokenizer = AutoTokenizer.from_pretrained(settings.model, revision=settings.revision)
+    tokenizer.chat_template = chat_template()
+    tokenizer.response_template = copy.deepcopy(lfm2_2_5_template)
+    return tokenizer
+
+
+def eos_token_ids(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Every id that ends a completion: the tokenizer's eos and the generation config's (TRL's rule for its worker)."""
+    from transformers import GenerationConfig
+
+    try:
+        declared = GenerationConfig.from_pretrained(settings.model, revision=settings.revision).eos_token_id
+    except OSError:  # No generation_config.json: the tokenizer's eos is the only one.
+        declared = None
+    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
+    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
+
+
+def rollout_worker(
+    settings: Settings, tokenizer: PreTrainedTokenizerBase, dataset: Dataset, factory: Callable[..., Any]
+) -> HarnessRolloutWorker:
+    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none).
+
+    Its sessions go through the rollout guard (train_rollouts); its loop resumes at the checkpoint's position
+    (train_resume) and stamps each row's metrics (train_metrics); while the trainer waits on it, each finished
+    rollout dates the heartbeat.
+    """
+    import train_rollouts
+    from train_resume import PositionedRolloutWorker
+
+    ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
+
+    class ProgressWorker(PositionedRolloutWorker):
+        def check_health(self, stale_after_s: float) -> None:
+            """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
+            super().check_health(stale_after_s)
+            train_rollouts.refresh_heartbeat(settings.heartbeat_file, ledger)
+
+    args = grpo_config(settings)
+    same_names = ("num_generations", "max_inflight_tasks", "queue_maxsize", "temperature", "top_p", "top_k", "min_p",
+                  "repetition_penalty", "request_timeout", "max_tool_calling_iterations")
+    return ProgressWorker(
+        model_name=settings.served_model_name,
+        dataset=dataset,
+        reward_funcs=[],
+        processing_class=tokenizer,
+        eos_token_ids=eos_token_ids(settings, tokenizer),
+        vllm_server_url=args.vllm_server_base_url,
+        max_tokens=args.max_completion_length,
+        harness_session_factory=train_rollouts.guarded(factory, ledger),
+        rollout_reward_fn=reward,
+        **{name: getattr(args, name) for name in same_names},
+    )
+
+
+# --- 3. Reward --------------------------------------------------------------------------------------------------------
+def reward(outcome: HarnessRolloutOutcome) -> float | None:
+    """Correctness plus a tool-efficiency bonus only a correct answer earns (recipe.py's Reward note weighs it).
+
+    `None` when the verifier did not run: TRL leaves the rollout out of the group baseline instead of learning that a
+    crashed sandbox is as bad as a wrong answer.
+    """
+    if outcome.env_reward is None:
+        return None
+    score = recipe.CORRECT_REWARD * outcome.env_reward
+    if outcome.env_reward >= 1.0:
+        unused = (recipe.TOOL_BUDGET - outcome.tool_call_count) / recipe.TOOL_BUDGET
+        score += recipe.TOOL_BONUS * max(0.0, unused)
+    return score
+
+
+# --- 4. LoRA and batching ---------------------------------------------------------------------------------------------
+def lora_config() -> LoraConfig:
+    """LoRA on attention q/k/v/out and FFN w1/w2/w3, never on the short-conv projections."""
+    from peft import LoraConfig
+
+    return LoraConfig(
+        r=recipe.LORA_R,
+        lora_alpha=recipe.LORA_ALPHA,
+        lora_dropout=recipe.LORA_DROPOUT,
+        target_modules=list(recipe.LORA_TARGET_MODULES),
+        bias="none",
+        task_type="CAUSAL_LM",
+        revision=recipe.BASE_MODEL_REVISION,  # saved in adapter_config.json: AutoPeftModel loads the base there
+    )
+
+
+def conv_safe_batching() -> dict[str, int]:
+    """AsyncGRPOConfig fields that give every training row exactly one sample.
+
+    TRL 1.15 packs samples into a row with `position_ids` only; attention respects the resets, LFM2's short conv does
+    not (torch's `causal_conv1d_fn` ignores `seq_idx`), so a sample would read the previous one's tail.
+    `token_budget=0` selects TRL's fixed-count batcher; gradient accumulation keeps one GRPO group per step, and
+    train_metrics.StepObjective keeps the loss token-level over it.
+    """
+    return {"token_budget": 0, "per_device_train_batch_size": 1, "gradient_accumulation_steps": recipe.NUM_GENERATIONS}
+
+
+# --- 5. Callbacks -----------------------------------------------------------------------------------------------------
+def callbacks(settings: Settings, api: Any, resumed_from: int | None) -> list[TrainerCallback]:
+    """The heartbeat, the checkpoint push (with the work folder's logs), train_log.json, and the smoke's early stop."""
+    import train_callbacks
+
+    work_dir = Path(settings.heartbeat_file).parent
+    chosen = [
+        train_callbacks.Heartbeat(settings.heartbeat_file),
+        train_callbacks.CheckpointPusher(api, settings.adapter_repo, work_dir, dashboard.job_id(os.environ)),
+        train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
+    ]
+    if settings.stop_after_step:
+        chosen.append(train_callbacks.StopAfterStep(settings.stop_after_step))
+    return chosen
+
+
+# --- Settings and command line ----------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class Settings:
     """Where things are for this run; the numbers stay in recipe.py."""
@@ -79,49 +391,39 @@ class Settings:
     dashboard_space: str | None = recipe.DASHBOARD_SPACE
     run_name: str = "train"
 
-    def public(self) -> dict[str, Any]:
-        """Every field except the token, for logs and --dry-run."""
-        return {k: v for k, v in asdict(self).items() if k != "hf_token"}
-
-
-def _stop_after(env: Mapping[str, str], max_steps: int) -> int:
-    """STOP_AFTER_STEP (recipe's check), which must also be below MAX_STEPS to stop anything."""
-    step = recipe.knob("STOP_AFTER_STEP", env)
-    if step >= max_steps:
-        raise recipe.ConfigError(f"STOP_AFTER_STEP={step} must be 0 (off) or a step below MAX_STEPS={max_steps}")
-    return step
-
-
-def _choice(env: Mapping[str, str], name: str, default: str, choices: tuple[str, ...]) -> str:
-    value = env.get(name, "").strip() or default
-    if value not in choices:
-        raise recipe.ConfigError(f"{name}={value!r} is not one of {', '.join(choices)}")
-    return value
+    @property
+    def revision(self) -> str | None:
+        """The model's pinned revision; None for a local model folder."""
+        return None if Path(self.model).is_dir() else self.model_revision
 
 
 def _url(env: Mapping[str, str], name: str, default: str) -> str:
     value = env.get(name, "").strip() or default
-    if not value:
-        return value
     parsed = urlparse(value)
-    if parsed.scheme not in ("http", "https") or not parsed.hostname:
+    if value and (parsed.scheme not in ("http", "https") or not parsed.hostname):
         raise recipe.ConfigError(f"{name}={value!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
     return value.rstrip("/")
 
 
 def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool = True) -> Settings:
-    """Read and validate the run's settings; a bad value raises ConfigError with one line saying the fix.
-    The knobs run_job.sh also passes get recipe.knob's checks, the ones its preflight runs. Only a real run
-    needs the token (`--dry-run` reads no secret)."""
+    """Read and validate the run's settings (recipe.knob's checks, the ones run_job.sh's preflight runs); a bad value
+    raises ConfigError with one line saying the fix. Only a real run needs the token."""
     output_dir = env.get("OUTPUT_DIR", "").strip() or Settings.output_dir
     sandbox = recipe.knob("SANDBOX", env)
     max_steps = recipe.knob("MAX_STEPS", env)
+    stop_after_step = recipe.knob("STOP_AFTER_STEP", env)
+    if stop_after_step >= max_steps:
+        raise recipe.ConfigError(f"STOP_AFTER_STEP={stop_after_step} must be 0 (off) or a step below "
+                                 f"MAX_STEPS={max_steps}")
     capture_url = _url(env, "CAPTURE_URL", "")
     if capture_url and urlparse(capture_url).hostname in ("127.0.0.1", "localhost"):  # every backend is remote
         raise recipe.ConfigError(
             f"CAPTURE_URL={capture_url!r} is loopback, but SANDBOX={sandbox} runs agents on other machines: "
             "use the job's public URL, e.g. https://<job-id>--8000.hf.jobs/capture"
         )
+    device = env.get("DEVICE", "").strip() or Settings.device
+    if device not in ("cuda", "cpu"):
+        raise recipe.ConfigError(f"DEVICE={device!r} is not one of cuda, cpu")
     return Settings(
         adapter_repo=recipe.require_repo_id(env.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO"),
         hf_token=recipe.require_token(dict(env)) if need_token else env.get("HF_TOKEN", "").strip(),
@@ -140,421 +442,31 @@ def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool =
         output_dir=output_dir,
         heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / recipe.HEARTBEAT_NAME),
         resume=recipe.knob("RESUME", env),
-        stop_after_step=_stop_after(env, max_steps),
+        stop_after_step=stop_after_step,
         weight_sync=recipe.knob("WEIGHT_SYNC", env),
         sandbox=sandbox,
-        device=_choice(env, "DEVICE", "cuda", DEVICES),
+        device=device,
         report_to=recipe.knob("REPORT_TO", env),
         dashboard_space=dashboard.space(env),
         run_name=dashboard.run_name("train", env),
     )
 
 
-# --- 2. LoRA and batching ---------------------------------------------------------------------------------------------
-def lora_config() -> LoraConfig:
-    """LoRA on attention q/k/v/out and FFN w1/w2/w3, never on the short-conv projections."""
-    from peft import LoraConfig
-
-    return LoraConfig(
-        r=recipe.LORA_R,
-        lora_alpha=recipe.LORA_ALPHA,
-        lora_dropout=recipe.LORA_DROPOUT,
-        target_modules=list(recipe.LORA_TARGET_MODULES),
-        bias="none",
-        task_type="CAUSAL_LM",
-        revision=recipe.BASE_MODEL_REVISION,  # saved in adapter_config.json: AutoPeftModel loads the base there
-    )
-
-
-def lora_param_count(config: Any, r: int = recipe.LORA_R) -> int:
-    """Adapter parameters `lora_config()` adds to an Lfm2 model: r * (in + out) per wrapped Linear.
-
-    Read off the config so the artifact size can be stated for the real model (40,271,872 on the
-    22 conv / 8 attention layout of LFM2-2.6B, 161 MB in fp32) without loading it.
-    """
-    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
-    head_dim = getattr(config, "head_dim", None) or hidden // heads
-    ffn = config.intermediate_size
-    if config.block_auto_adjust_ff_dim:  # Same rule as transformers' Lfm2MLP.
-        ffn = int(2 * ffn / 3)
-        if config.block_ffn_dim_multiplier is not None:
-            ffn = int(config.block_ffn_dim_multiplier * ffn)
-            ffn = config.block_multiple_of * ((ffn + config.block_multiple_of - 1) // config.block_multiple_of)
-    q, kv = heads * head_dim, kv_heads * head_dim
-    attention = (hidden + q) + 2 * (hidden + kv) + (q + hidden)
-    feed_forward = 3 * (hidden + ffn)
-    n_attention = sum(t == "full_attention" for t in config.layer_types)
-    return r * (n_attention * attention + len(config.layer_types) * feed_forward)
-
-
-def conv_safe_batching() -> dict[str, int]:
-    """AsyncGRPOConfig fields that give every training row exactly one sample.
-
-    TRL 1.15 packs several rollout samples into one row and calls the model with `position_ids` only.
-    Attention separates the samples from the position resets, but LFM2's short-conv layers do not:
-    transformers' torch `causal_conv1d_fn` ignores `seq_idx` (only the optional causal-conv1d CUDA
-    package honours it, and TRL never passes it), so the first tokens of each sample would read the
-    tail of the previous one. `token_budget=0` selects TRL's fixed-count batcher, and one sample per
-    device batch makes each row a single sample; gradient accumulation keeps one GRPO group per step.
-    Cost: one forward per sample. TRL would divide each row's loss by its own tokens (a 150-token answer's
-    tokens pushed 50x harder than an 8,000-token trace's); train_metrics.StepObjective divides by the step's.
-    """
-    return {
-        "token_budget": 0,
-        "per_device_train_batch_size": 1,
-        "gradient_accumulation_steps": recipe.NUM_GENERATIONS,
-    }
-
-
-def model_init_kwargs(settings: Settings) -> dict[str, Any] | None:
-    """How TRL loads the base model: at the pinned revision, config included.
-
-    TRL 1.15's `create_model_from_path` reads `AutoConfig` without the revision (so from `main`) just to pick the
-    model class, unless it is given one; its `architecture` parameter is filled from these kwargs. With
-    `AutoModelForCausalLM` the class comes from the config at the pinned revision instead.
-    """
-    from transformers import AutoModelForCausalLM
-
-    if Path(settings.model).is_dir():
-        return None
-    return {"revision": settings.model_revision, "architecture": AutoModelForCausalLM}
-
-
-def grpo_config(settings: Settings) -> AsyncGRPOConfig:
-    """The trainer's config: recipe numbers plus this run's steps, URLs and output directory."""
-    from trl.experimental.async_grpo import AsyncGRPOConfig
-
-    batching = conv_safe_batching()
-    return AsyncGRPOConfig(
-        output_dir=settings.output_dir,
-        dtype=recipe.TRAINER_DTYPE,
-        model_init_kwargs=model_init_kwargs(settings),
-        use_cpu=settings.device == "cpu",
-        bf16=settings.device == "cuda",
-        learning_rate=settings.learning_rate,
-        max_steps=settings.max_steps,
-        save_strategy="steps",
-        save_steps=settings.save_steps,
-        num_generations=recipe.NUM_GENERATIONS,
-        max_completion_length=recipe.MAX_TOKENS,
-        temperature=recipe.TEMPERATURE,
-        top_p=recipe.TOP_P,
-        top_k=recipe.TOP_K,
-        max_tool_calling_iterations=recipe.MAX_TOOL_CALLING_ITERATIONS,
-        max_staleness=settings.max_staleness,
-        # Set here, not left at -1 (auto): the injected worker gets nothing from the config, so both sides
-        # must read the same number (recipe.py says why this one, from benchmarks/rollout_pipeline.py).
-        max_inflight_tasks=recipe.MAX_INFLIGHT_ROLLOUTS,
-        vllm_server_base_url=settings.vllm_url,
-        report_to=settings.report_to,
-        # Trackio: one project per adapter repo, one run per job, a private Space under the token's owner that stays
-        # live after training (no static copy); dashboard.init_run falls back to local logs if it cannot be reached.
-        project=dashboard.project(settings.adapter_repo),
-        run_name=settings.run_name,
-        trackio_space_id=settings.dashboard_space,
-        trackio_static_space_id=False,
-        hub_private_repo=True,
-        **batching,
-    )
-
-
-# --- 3. Reward --------------------------------------------------------------------------------------------------------
-def reward(outcome: HarnessRolloutOutcome) -> float | None:
-    """Correctness plus a tool-efficiency bonus that only a correct answer earns (recipe.py's Reward note: what
-    the bonus weighs once TRL normalises a group's rewards by their std).
-
-    `None` when the verifier did not run: TRL then leaves the rollout out of the group baseline instead
-    of learning that a crashed sandbox is as bad as a wrong answer.
-    """
-    if outcome.env_reward is None:
-        return None
-    score = recipe.CORRECT_REWARD * outcome.env_reward
-    if outcome.env_reward >= 1.0:
-        unused = (recipe.TOOL_BUDGET - outcome.tool_call_count) / recipe.TOOL_BUDGET
-        score += recipe.TOOL_BONUS * max(0.0, unused)
-    return score
-
-
-# --- 4. Tasks, tokenizer and rollout worker ---------------------------------------------------------------------------
-def session_factory(settings: Settings) -> functools.partial:
-    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py; the worker rebuilds it in a spawned child).
-
-    The worker adds `sampling=` (the trainer's full-vocabulary policy) when it calls it. `agent_step_limit`
-    makes the capture proxy enforce the recipe's model-call budget (plus OpenCode's one auxiliary title
-    call, which the proxy also counts): in loop-owning mode TRL's own `max_tool_calling_iterations` never
-    reaches the agent.
-    """
-    from harbor_sessions import HarborSessionFactory
-
-    return functools.partial(
-        HarborSessionFactory,
-        settings.env_url,
-        split=settings.train_split,
-        llm_url=settings.vllm_url,
-        model=settings.served_model_name,
-        harness="opencode",
-        sandbox=settings.sandbox,
-        agent_timeout_sec=float(recipe.AGENT_TIMEOUT_SEC),
-        agent_step_limit=recipe.AGENT_CALL_LIMIT,
-    )
-
-
-def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset:
-    """The env server's tasks as prompts (`create()` only accepts prompts built by `prompt_rows()`), in the task
-    list's fixed order: TRL iterates this dataset unshuffled from a resume position, on every start."""
-    from datasets import Dataset
-
-    rows = factory().prompt_rows()
-    if not rows:
-        raise recipe.ConfigError("the env server serves no tasks: check the --dataset given to the env server")
-    return Dataset.from_list(prepare_tasks.in_list_order(rows, Path(task_data), "train"))
-
-
-def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
-    """The model's tokenizer with the chat template vLLM serves (chat_template.py) and TRL's LFM2.5 response template.
-
-    The template is the one serve_policy.sh hands vLLM, so the trainer, its checkpoints and vLLM render alike;
-    the response template is set directly because add_response_schema does not know the model repo's template.
-    """
-    from transformers import AutoTokenizer
-    from trl.chat_template_utils import lfm2_2_5_template
-
-    from chat_template import chat_template
-
-    revision = None if Path(settings.model).is_dir() else settings.model_revision
-    tokenizer = AutoTokenizer.from_pretrained(settings.model, revision=revision)
-    tokenizer.chat_template = chat_template()
-    tokenizer.response_template = copy.deepcopy(lfm2_2_5_template)
-    return tokenizer
-
-
-def eos_token_ids(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos plus the model's generation-config eos ids.
-
-    Same rule the trainer applies to its own worker; an injected worker has to be given it.
-    """
-    from transformers import GenerationConfig
-
-    revision = None if Path(settings.model).is_dir() else settings.model_revision
-    try:
-        declared = GenerationConfig.from_pretrained(settings.model, revision=revision).eos_token_id
-    except OSError:  # No generation_config.json: the tokenizer's eos is the only one.
-        declared = None
-    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
-    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
-
-
-def rollout_worker(
-    settings: Settings, tokenizer: PreTrainedTokenizerBase, dataset: Dataset, factory: Callable[..., Any]
-) -> HarnessRolloutWorker:
-    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none).
-
-    Its sessions go through train_rollouts (per-rollout failures unscorable and counted, systematic ones stop the
-    job), and while the trainer waits on it for samples, finished rollouts count as progress for the watchdog. Its
-    train_metrics base marks each trained sample whose rollout forked.
-    """
-    import train_rollouts
-    from train_resume import PositionedRolloutWorker
-
-    ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
-
-    class ProgressWorker(PositionedRolloutWorker):
-        def check_health(self, stale_after_s: float) -> None:
-            """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
-            super().check_health(stale_after_s)
-            train_rollouts.refresh_heartbeat(settings.heartbeat_file, ledger)
-
-    args = grpo_config(settings)
-    return ProgressWorker(
-        model_name=settings.served_model_name,
-        dataset=dataset,
-        reward_funcs=[],
-        processing_class=tokenizer,
-        eos_token_ids=eos_token_ids(settings, tokenizer),
-        num_generations=args.num_generations,
-        max_inflight_tasks=args.max_inflight_tasks,
-        queue_maxsize=args.queue_maxsize,
-        vllm_server_url=args.vllm_server_base_url,
-        max_tokens=args.max_completion_length,
-        temperature=args.temperature,
-        top_p=args.top_p,
-        top_k=args.top_k,
-        min_p=args.min_p,
-        repetition_penalty=args.repetition_penalty,
-        request_timeout=args.request_timeout,
-        max_tool_calling_iterations=args.max_tool_calling_iterations,
-        harness_session_factory=train_rollouts.guarded(factory, ledger),
-        rollout_reward_fn=reward,
-    )
-
-
-# --- 5. Resume: the newest complete checkpoint in the adapter repo ----------------------------------------------------
-def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
-    """Download the newest complete checkpoint from the adapter repo into `output_dir`, or None if there is none."""
-    steps = adapter_repo.complete_checkpoints(api.list_repo_files(repo_id))
-    if not steps:
-        logger.info("no complete checkpoint in %s: training from step 0", repo_id)
-        return None
-    local = adapter_repo.download_checkpoint(api, repo_id, steps[-1], Path(output_dir))
-    logger.info("resuming from %s/%s", repo_id, local.name)
-    return local
-
-
-# --- 6. Trainer, train and push ---------------------------------------------------------------------------------------
-def hub_api(settings: Settings) -> Any:
-    """The Hub client the pushes go through."""
-    from huggingface_hub import HfApi
-
-    return HfApi(token=settings.hf_token)
-
-
-def check_device(settings: Settings) -> None:
-    """Refuse to start a real run on CPU by accident (e.g. CUDA_VISIBLE_DEVICES pointing at nothing)."""
-    import torch
-
-    if settings.device == "cuda" and not torch.cuda.is_available():
-        raise recipe.ConfigError("DEVICE=cuda but no CUDA device is visible: check CUDA_VISIBLE_DEVICES, or DEVICE=cpu")
-
-
-def build_trainer(
-    settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None,
-    resumed_from: int | None = None,
-) -> AsyncGRPOTrainer:
-    """The AsyncGRPOTrainer (class chosen by WEIGHT_SYNC): worker, LoRA, heartbeat, checkpoint push, metrics."""
-    import train_callbacks
-    import train_metrics
-    import train_resume
-    import train_weight_sync
-
-    recipe.check_versions()
-    check_device(settings)
-    factory = factory if factory is not None else session_factory(settings)
-    dataset = train_dataset(factory, settings.task_data)
-    tokenizer = load_tokenizer(settings)
-    worker = rollout_worker(settings, tokenizer, dataset, factory)
-    trainer_cls = train_resume.positioned(
-        train_resume.mixed(train_metrics.StepObjective, train_weight_sync.trainer_class(settings.weight_sync)))
-    callbacks = [
-        train_callbacks.Heartbeat(settings.heartbeat_file),
-        train_callbacks.CheckpointPusher(api if api is not None else hub_api(settings), settings.adapter_repo,
-                                         Path(settings.heartbeat_file).parent, dashboard.job_id(os.environ)),
-        train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
-    ]
-    if settings.stop_after_step:
-        callbacks.append(train_callbacks.StopAfterStep(settings.stop_after_step))
-    trainer = trainer_cls(
-        model=settings.model,
-        args=grpo_config(settings),
-        train_dataset=dataset,
-        processing_class=tokenizer,
-        callbacks=callbacks,
-        peft_config=lora_config(),
-        rollout_worker=worker,
-        weight_transfer=weight_transfer,
-    )
-    train_metrics.attach(trainer, recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
-    return trainer
-
-
-def train(
-    settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
-) -> None:
-    """Resume from the adapter repo if it has a complete checkpoint, train, then push the final adapter (and the
-    training repo's model card) to its root; not when STOP_AFTER_STEP ended the run early (a later start resumes).
-    A start whose newest checkpoint is at or past MAX_STEPS trains nothing (see finish_trained_run); a final adapter
-    already at the root is never replaced by another."""
-    import train_metrics
-
-    recipe.check_versions()
-    check_device(settings)
-    api = api if api is not None else hub_api(settings)
-    # Before any model loads: a token that cannot write to ADAPTER_REPO fails here, not at step 100.
-    adapter_repo.require_write_access(api, settings.adapter_repo)
-    files = api.list_repo_files(settings.adapter_repo)
-    has_final = adapter_repo.checkpoint_complete(files, adapter_repo.FINAL)
-    newest = adapter_repo.complete_checkpoints(files)[-1:] if settings.resume else []
-    if has_final and not (newest and newest[0] >= settings.max_steps):
-        start = f"{adapter_repo.checkpoint_name(newest[0])} (step {newest[0]})" if newest else "step 0"
-        raise recipe.ConfigError(
-            f"{settings.adapter_repo} already holds a final adapter, which training from {start} to "
-            f"MAX_STEPS={settings.max_steps} would replace: evaluate it with `launch.py eval`, or train into a new "
-            "ADAPTER_REPO")
-    if not settings.resume:
-        adapter_repo.refuse_fresh_start(settings.adapter_repo, files)
-    resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
-    resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
-    if resume_dir is not None and resumed_from is not None and resumed_from >= settings.max_steps:
-        finish_trained_run(api, settings, resume_dir, resumed_from, has_final)
-        return
-    trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api,
-                            resumed_from=resumed_from)
-    trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
-    if settings.stop_after_step and trainer.state.global_step < settings.max_steps:
-        logger.info("stopped after step %d (STOP_AFTER_STEP): its checkpoint is pushed; no final adapter yet",
-                    trainer.state.global_step)
-        return
-    final_dir = Path(settings.output_dir) / "final"
-    trainer.save_model(str(final_dir))
-    push_final_adapter(api, settings, final_dir, trainer.state.global_step, train_metrics.dashboard_url(trainer))
-
-
-def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int, dashboard_url: str | None) -> None:
-    """The final adapter at the repo root, with the training repo's model card, in one commit (the one way it is
-    written)."""
-    import model_cards
-
-    (final_dir / "README.md").write_text(model_cards.training_card(settings.adapter_repo, steps, dashboard_url,
-                                                                   settings.learning_rate))
-    adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
-
-
-def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int, has_final: bool) -> None:
-    """A start at or past MAX_STEPS (a relaunch after a failed final push or a crashed final eval) trains nothing:
-    transformers would still run one optimizer step before its stop check, push checkpoint-(MAX_STEPS+1) and replace
-    the root adapter. Instead the final adapter is pushed from the newest checkpoint if the root lacks it, and the
-    job goes on to its final eval (run_job.sh, after this exits 0)."""
-    if has_final:
-        logger.info("%s is at step %d (MAX_STEPS=%d) and its root holds the final adapter: nothing to train or push",
-                    settings.adapter_repo, step, settings.max_steps)
-        return
-    logger.info("%s is at step %d (MAX_STEPS=%d): nothing to train; pushing the final adapter from %s",
-                settings.adapter_repo, step, settings.max_steps, checkpoint.name)
-    final_dir = Path(settings.output_dir) / "final"
-    shutil.copytree(checkpoint, final_dir, dirs_exist_ok=True,
-                    ignore=shutil.ignore_patterns(*adapter_repo.FINAL_ADAPTER_IGNORE, adapter_repo.COMPLETE_MARKER))
-    space = settings.dashboard_space if settings.report_to == "trackio" else None
-    url = dashboard.SPACE_URL.format(dashboard.space_id(space, api.whoami()["name"])) if space else None
-    push_final_adapter(api, settings, final_dir, step, url)
-
-
-# --- 7. Command line --------------------------------------------------------------------------------------------------
 def resolved_config(settings: Settings) -> dict[str, Any]:
-    """What --dry-run prints: the settings (no token) and every recipe number the run uses (the LoRA numbers as
-    lora_config() passes them to PEFT, read from recipe.py: importing PEFT would cost the dry run 8 s)."""
+    """What --dry-run prints: the settings (no token) and every recipe number the run uses (the LoRA's read from
+    recipe.py as lora_config() passes them: importing PEFT would cost the dry run 8 s)."""
     return {
-        **settings.public(),
+        **{k: v for k, v in asdict(settings).items() if k != "hf_token"},
         "dtype": recipe.TRAINER_DTYPE,
-        "lora": {
-            "r": recipe.LORA_R,
-            "alpha": recipe.LORA_ALPHA,
-            "dropout": recipe.LORA_DROPOUT,
-            "target_modules": sorted(recipe.LORA_TARGET_MODULES),
-        },
-        "sampling": {
-            "temperature": recipe.TEMPERATURE,
-            "top_p": recipe.TOP_P,
-            "top_k": recipe.TOP_K,
-            "max_tokens": recipe.MAX_TOKENS,
-        },
+        "lora": {"r": recipe.LORA_R, "alpha": recipe.LORA_ALPHA, "dropout": recipe.LORA_DROPOUT,
+                 "target_modules": sorted(recipe.LORA_TARGET_MODULES)},
+        "sampling": {"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.TOP_K,
+                     "max_tokens": recipe.MAX_TOKENS},
         "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS,
         "num_generations": recipe.NUM_GENERATIONS,
         "batching": conv_safe_batching(),
-        "reward": {
-            "correct": recipe.CORRECT_REWARD,
-            "tool_bonus": recipe.TOOL_BONUS,
-            "tool_budget": recipe.TOOL_BUDGET,
-            "unscorable": None,
-        },
+        "reward": {"correct": recipe.CORRECT_REWARD, "tool_bonus": recipe.TOOL_BONUS,
+                   "tool_budget": recipe.TOOL_BUDGET, "unscorable": None},
         "urls": {"vllm": settings.vllm_url, "env": settings.env_url, "capture": settings.capture_url},
     }
 
@@ -569,7 +481,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def run(dry_run: bool) -> None:
-    """Check the versions and settings, then train (or print the settings); a rollout-guard stop raises its verdict."""
+    """Check the versions and settings, then train (or print the settings); a failure TRL wraps ends in its reason."""
     started = time.time()
     recipe.check_versions()
     settings = settings_from_env(os.environ, need_token=not dry_run)
@@ -582,7 +494,7 @@ def run(dry_run: bool) -> None:
         raise  # already one line (a relaunch resumes from the last checkpoint)
     except Exception as error:
         stopped = systematic_stop(settings, started)
-        if stopped:  # TRL re-raises the guard's stop wrapped: its one-line verdict is the reason
+        if stopped:  # TRL re-raises the rollout guard's stop wrapped: its one-line verdict is the reason
             raise adapter_repo.Failure(stopped) from error
         full = disk_full(settings.output_dir)
         if full:
@@ -608,10 +520,8 @@ def disk_full(folder: str) -> str | None:
 
 
 def systematic_stop(settings: Settings, since: float) -> str | None:
-    """The rollout guard's one-line verdict if it stopped this run (TRL re-raises it wrapped in RuntimeErrors)."""
-    import train_rollouts
-
-    ledger = train_rollouts.read_ledger(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
+    """The rollout guard's one-line verdict if it stopped this run."""
+    ledger = recipe.read_json(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
     return ledger.get("stopped") if ledger and ledger["started"] >= since else None
 
 

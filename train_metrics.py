@@ -1,11 +1,8 @@
 """What one optimizer step optimises and logs on top of TRL 1.15 (docs/training.md "Reading the dashboard" reads it).
 
-StepObjective (mixed into the trainer class) makes the loss token-level over the step's rows: TRL divides each
-micro-batch's summed token loss by that micro-batch's tokens, and with one sample per row (train_lora.
-conv_safe_batching) that weighs a short row's tokens far above a long one's; here every micro-batch is told the step's
-tokens. Per step it logs the token-weighted ratio, per-row ratio extremes, kl and clipping by staleness, unbounded
-tokens, the LoRA's movement, the stale-drop count on every step and the rollout ledger's growth. RecipeRolloutLoop (the
-rollout child) stamps each row with whether its rollout forked and its group's contrast, and its policy version.
+StepObjective, mixed into the trainer class, makes the loss token-level over the step's one-sample rows and logs the
+step's learning signals and the rollout ledger's growth; RecipeRolloutLoop, in the rollout child, stamps each row with
+the facts only its group knows.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ from __future__ import annotations
 import copy
 import math
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -25,27 +23,31 @@ from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _H
 
 import dashboard
 import recipe
-import train_rollouts
 
 FORKED_FRAC = "sample/forked_frac"
 DROPPED_STALE = "sample/dropped_stale_total"  # TRL's counter of samples dropped as more than max_staleness old
-ZERO_CONTRAST, BONUS_ONLY, ZERO_ADVANTAGE = "group/zero_contrast_frac", "group/bonus_only_frac", \
-    "sample/zero_advantage_frac"
+ZERO_CONTRAST, BONUS_ONLY = "group/zero_contrast_frac", "group/bonus_only_frac"
+ZERO_ADVANTAGE = "sample/zero_advantage_frac"
 # A sample's policy version, carried from the rollout child to the loss (popped before TRL's collator logs metrics).
 VERSION = "_policy_version"
+# The dashboard's rollout counts (TRL sums a `total` over the logging window): metric -> the rollout ledger's counter.
+ROLLOUT_COUNTS = {f"rollout/{name}_total": key for name, key in (
+    ("finished", "rollouts"), ("unscorable", "unscorable_total"), ("timed_out", "timed_out"), ("forked", "forked"),
+    ("budget_stopped", "budget_stopped"), ("context_exhausted", "context_exhausted"), ("cut", "cut"))}
+TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per scored rollout: a (calls, rollouts) rate, as TRL reduces
 
 
 def group_flags(rewards: list[float | None]) -> dict[str, float]:
     """Whether a group's scored rewards are all equal (no contrast), or differ only by the tool bonus (every scored
     rollout equally right or wrong: recipe.py's Reward note says why that still trains)."""
     scored = [r for r in rewards if r is not None]
-    correct = {r >= recipe.CORRECT_REWARD for r in scored}
     flat = len(set(scored)) <= 1
-    return {ZERO_CONTRAST: float(flat), BONUS_ONLY: float(not flat and len(correct) == 1)}
+    return {ZERO_CONTRAST: float(flat), BONUS_ONLY: float(not flat and len({r >= recipe.CORRECT_REWARD
+                                                                               for r in scored}) == 1)}
 
 
 class RecipeRolloutLoop(_HarnessRolloutLoop):
-    """TRL's harness loop; each sample it scores also carries the per-row facts above and its policy version."""
+    """TRL's harness loop; each sample it scores also carries its group's flags, its fork and its policy version."""
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
         samples = await super()._score_group(group)
@@ -61,6 +63,34 @@ class RecipeRolloutWorker(HarnessRolloutWorker):
     """HarnessRolloutWorker whose spawned loop is RecipeRolloutLoop."""
 
     _loop_cls = RecipeRolloutLoop
+
+
+class LedgerGrowth:
+    """The rollout ledger's growth since the last look, by dashboard metric (the ledger is written by the rollout
+    child, another process, so this reads its file).
+
+    A rollout is in the ledger before its group is scored, so a step's look counts every rollout the step trains.
+    Only this start's ledger counts (`started` at or after this object was made), and a new ledger (a restarted
+    child) is counted from zero.
+    """
+
+    def __init__(self, ledger_file: str | Path) -> None:
+        self.path = Path(ledger_file)
+        self.since = time.time()  # made before train() starts the rollout child, which begins the ledger
+        self._last: dict[str, Any] = {}
+
+    def take(self) -> dict[str, float | tuple[float, float]]:
+        ledger = recipe.read_json(self.path)
+        if not ledger or ledger.get("started", 0) < self.since:
+            return {}
+        last = self._last if self._last.get("started") == ledger["started"] else {}
+        self._last = ledger
+        grown = {key: ledger[key] - last.get(key, 0) for key in (*ROLLOUT_COUNTS.values(), "scored", "tool_calls")}
+        counts: dict[str, float | tuple[float, float]] = {
+            metric: float(grown[key]) for metric, key in ROLLOUT_COUNTS.items()}
+        if grown["scored"]:
+            counts[TOOL_CALLS_MEAN] = (float(grown["tool_calls"]), float(grown["scored"]))
+        return counts
 
 
 class _Versioned:
@@ -87,9 +117,9 @@ class _Seen:
 
 
 class StepObjective:
-    """Mixed in before an AsyncGRPOTrainer class (train_resume.mixed): the token-level step and its metrics."""
+    """Mixed in before an AsyncGRPOTrainer class (train_lora.trainer_class): the token-level step and its metrics."""
 
-    _growth: train_rollouts.LedgerGrowth | None = None  # set by attach()
+    _growth: LedgerGrowth | None = None  # set by attach()
     _lora_before: list[torch.Tensor] | None = None
 
     def get_train_dataloader(self) -> Any:
@@ -100,8 +130,9 @@ class StepObjective:
         return loader
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        """The step's micro-batches, each told the step's mean tokens per micro-batch as its `global_n_tokens`: TRL
-        divides a micro-batch's summed token loss by that and then by their number, i.e. by the step's tokens."""
+        """Tell each micro-batch the step's mean tokens per micro-batch as its `global_n_tokens`: TRL divides each one's
+        summed token loss by that and by their number, i.e. by the step's tokens (one sample per row would otherwise
+        weigh a 150-token answer's tokens 50x an 8,000-token trace's)."""
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batches:
             mean = sum(float(b["global_n_tokens"][0]) for b in batches) / len(batches)
@@ -166,9 +197,8 @@ class SafeTrackioCallback(TrackioCallback):
 
     def setup(self, args: TrainingArguments, state: TrainerState, model: Any, **kwargs: Any) -> None:
         if state.is_world_process_zero:
-            config = copy.deepcopy(args.to_dict())
             self.url = dashboard.init_run(args.project, args.run_name, args.trackio_space_id, os.environ,
-                                           config=config)
+                                          config=copy.deepcopy(args.to_dict()))
             self._space_id = self._trackio.context_vars.current_space_id.get()
         self._initialized = True
 
@@ -186,7 +216,7 @@ def attach(trainer: Any, ledger_file: str | Path) -> None:
     before train() starts the rollout child, which begins the ledger at `ledger_file`)."""
     if trainer.pop_callback(TrackioCallback) is not None:
         trainer.add_callback(SafeTrackioCallback())
-    trainer._growth = train_rollouts.LedgerGrowth(ledger_file)
+    trainer._growth = LedgerGrowth(ledger_file)
 
 
 def dashboard_url(trainer: Any) -> str | None:

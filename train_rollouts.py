@@ -1,23 +1,11 @@
 """Rollout-level failures: each one costs a rollout (unscorable, counted), only a systematic one stops the job.
 
-TRL 1.15's HarnessRolloutWorker (`openenv_harness._run_session`) scores a rollout unscorable when the session's
-`create()`, `wait_for_completion()` or `verify()` raises, but it turns a ValueError/TypeError/KeyError from
-`fetch_training_trace()` (or from reconciling its turns) into CaptureContractError, which stops the rollout worker
-and with it the run. It also ignores the exit code of `wait_for_completion()`: OpenEnv's HarborSession returns 1,
-with `result.ok` False, for a rollout whose sandbox, agent or capture failed, and may still carry a reward. Such a
-rollout fails here only when it has no grade (recipe.graded_reward, the eval's rule too): a graded one
-(an agent that timed out or exited non-zero) trains with its grade, if its capture passes the checks below; one whose
-model calls failed at the engine (recipe.upstream_errors) is unscorable, `upstream`: an outage is not a wrong answer.
-
-`guarded(factory, ledger_file)` wraps the Harbor session factory TRL rebuilds in its rollout child. Its sessions
-turn every per-rollout failure into an unscorable rollout of one class (FAILURE_CLASSES), count it in a JSON
-ledger (recipe.LEDGER_NAME, in the job's work folder), and raise SystematicRolloutFailure, which TRL cannot
-swallow, when recipe.ROLLOUT_ABORT_STREAK rollouts in a row or more than ROLLOUT_MAX_UNSCORABLE of the last
-ROLLOUT_WINDOW failed. The ledger's mtime is also the rollout side's progress beat for the stall watchdog.
-
-The ledger is the run's one rollout counter: the trainer (another process) logs its growth each step as the
-dashboard's rollout counts (LedgerGrowth, through train_metrics.StepObjective); the heartbeat's log line and the
-smoke report read it too.
+TRL 1.15's HarnessRolloutWorker already scores a rollout unscorable when the session's create, wait or verify raises,
+but a bad capture (ValueError/TypeError/KeyError from `fetch_training_trace`) stops the whole run, and an ungraded
+rollout (exit 1, no reward) or one whose model calls failed at the engine is trained. `guarded()` wraps the session
+factory so that each of these is one unscorable rollout of a FAILURE_CLASSES class, counted in the rollout ledger
+(recipe.LEDGER_NAME), which also stops the job on a streak or a failure rate (SystematicRolloutFailure). The ledger
+is the run's one rollout counter and, by its mtime, the rollout side's progress beat (docs/training.md).
 """
 
 from __future__ import annotations
@@ -43,6 +31,7 @@ CONTEXT_FINDING = "context_budget_exhausted"
 # How the proxy ended a rollout, as its log line counts it -> the ledger's count of rollouts so ended.
 ENDS = {"budget_stops": "budget_stopped", "context_exhausted": "context_exhausted", "cut_turns": "cut"}
 
+
 class RolloutFailure(RuntimeError):
     """One rollout failed for a reason outside the policy. Not a ValueError: TRL scores it unscorable."""
 
@@ -60,18 +49,8 @@ def read_ledger(path: str | Path) -> dict[str, Any] | None:
 class Ledger:
     """Counts every finished rollout by outcome and decides when failures are systematic (thread-safe).
 
-    Rewritten atomically on every finished rollout: {schema, started, updated, rollouts, scored, timed_out,
-    budget_stopped, context_exhausted, cut, forked, tool_calls, unscorable: {class: n}, unscorable_total, streak,
-    window: {size, unscorable}, last_error: {class, error, at}, timing, stopped}. `stopped` is the one line the job
-    stops with, else null. `timed_out`, `budget_stopped` (the proxy ended the agent at its call budget),
-    `context_exhausted` (its prompt outgrew the context) and `cut` (a completion hit the output cap) count every
-    rollout so ended, scored or not; `forked` (its capture trains as several rows) and `tool_calls` (their sum) count
-    the scored rollouts only, the ones TRL trains.
-
-    `timing` = {"count": n, "max": {part: s, "setup_s": s}} over the rollouts recorded with a non-empty `timing`
-    (sandbox_lifecycle.trial_timing of their Harbor trial): for each part of sandbox_lifecycle.TIMING_PARTS the
-    slowest rollout's seconds, and for `setup_s` the slowest rollout's setup, the sum of its parts but `agent_run_s`
-    (what recipe.ROLLOUT_SETUP_BUDGET_S budgets). A part no rollout reached is absent.
+    Rewritten atomically on every finished rollout (its schema: docs/training.md "Counts"); each rollout is also one
+    line of recipe.ROLLOUT_LOG_NAME, and the last few trajectories go to recipe.TRAJECTORIES_NAME.
     """
 
     def __init__(self, path: str | Path, *, streak_limit: int = recipe.ROLLOUT_ABORT_STREAK,
@@ -88,20 +67,18 @@ class Ledger:
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
         self.log_path = self.path.with_name(recipe.ROLLOUT_LOG_NAME)
-        self._sample: deque[dict[str, Any]] = deque(maxlen=recipe.TRAJECTORY_SAMPLE)  # the last ones, for reading
+        self._sample: deque[dict[str, Any]] = deque(maxlen=recipe.TRAJECTORY_SAMPLE)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._write()
+        recipe.write_json(self.path, self.state)
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
                timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0,
                ends: Mapping[str, int] | None = None, task: str | None = None, reward: float | None = None,
                trial: Path | None = None, trajectory: dict[str, Any] | None = None) -> None:
-        """One finished rollout: `failure` is its class (None = scored), `timing` its Harbor parts in seconds
-        (sandbox_lifecycle.trial_timing), `forked` and `tool_calls` what its capture trains as (Capture), `ends` how
-        the proxy ended it (GuardedSession.ends); `task`, `reward` and its Harbor `trial` folder go to its log line
-        only, its `trajectory` (trajectories.trajectory) to the sample of the last ones (recipe.TRAJECTORIES_NAME).
-        Raises SystematicRolloutFailure on a trip, ValueError for a timing part not in TIMING_PARTS (a caller's bug,
-        refused before anything is counted)."""
+        """One finished rollout, `failure` its class (None = scored); raises SystematicRolloutFailure on a trip.
+
+        `timing` must hold only sandbox_lifecycle.TIMING_PARTS (else ValueError, a caller's bug, before any count).
+        """
         unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
         if unknown:
             raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
@@ -131,9 +108,10 @@ class Ledger:
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
             outcome = failure or ("timed_out" if timed_out else "scored")
-            self._log({"task": task, "outcome": outcome, "reward": reward, **ends, "error": error[:500],
-                       "trial": str(trial) if trial else None, "trial_kept": trial.exists() if trial else None,
-                       "at": state["updated"]})
+            with self.log_path.open("a") as log:
+                log.write(json.dumps({"task": task, "outcome": outcome, "reward": reward, **ends, "error": error[:500],
+                                      "trial": str(trial) if trial else None,
+                                      "trial_kept": trial.exists() if trial else None, "at": state["updated"]}) + "\n")
             if trajectory is not None:
                 self._sample.append({**trajectory, "outcome": outcome})
                 recipe.write_json(self.path.with_name(recipe.TRAJECTORIES_NAME), list(self._sample))
@@ -143,11 +121,12 @@ class Ledger:
             elif len(self._recent) == self._recent.maxlen and len(failed) > self.max_unscorable * len(self._recent):
                 state["stopped"] = self._stop_line(
                     f"{len(failed)} of the last {len(self._recent)} rollouts were unscorable", failed, failure, error)
-            self._write()
+            recipe.write_json(self.path, state)
             if state["stopped"]:
                 raise SystematicRolloutFailure(state["stopped"])
 
     def _add_timing(self, timing: Mapping[str, float]) -> None:
+        """The slowest rollout's seconds per Harbor part, and its setup (every part but the agent's run)."""
         aggregate = self.state["timing"]
         aggregate["count"] += 1
         setup = setup_seconds(timing)
@@ -159,13 +138,6 @@ class Ledger:
         counts = ", ".join(f"{c} {n}" for c, n in Counter(classes).most_common())
         return (f"rollouts are failing systematically: {what} ({counts}); last: {failure}: {error[:300]} "
                 "-- fix the env server, vLLM or the sandboxes, then relaunch (it resumes from the last checkpoint)")
-
-    def _write(self) -> None:
-        recipe.write_json(self.path, self.state)
-
-    def _log(self, line: dict[str, Any]) -> None:
-        with self.log_path.open("a") as log:
-            log.write(json.dumps(line) + "\n")
 
 
 class Capture(NamedTuple):
@@ -218,21 +190,12 @@ class GuardedSession:
     def __getattr__(self, name: str) -> Any:
         if name == "inner":
             raise AttributeError(name)
-        return getattr(self.inner, name)  # anything else the inner session offers (HarborSession.result, ...)
+        return getattr(self.inner, name)  # the rest of the session API (initial_messages, list_tools, result, ...)
 
     def _fail(self, failure: str, error: str) -> RolloutFailure:
         if self.failure is None:
             self.failure, self.error = failure, error
         return RolloutFailure(f"{failure}: {error}")
-
-    def initial_messages(self) -> list[dict[str, Any]]:
-        return self.inner.initial_messages()
-
-    def list_tools(self) -> list[Any]:
-        return self.inner.list_tools()
-
-    def call_tool(self, name: str, arguments: dict[str, Any]) -> Any:
-        return self.inner.call_tool(name, arguments)
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         """The inner wait; an ungraded non-zero exit or an exception other than TimeoutError fails the rollout."""
@@ -249,10 +212,9 @@ class GuardedSession:
         finally:
             self._waiting, self._waited = False, True
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
-        # Graded (a timed-out or non-zero agent exit): trained with its grade. Not graded: the rollout failed.
         if self._upstream():
             self._fail("upstream", self._upstream())
-        elif code and recipe.graded_reward(result) is None:
+        elif code and recipe.graded_reward(result) is None:  # a graded non-zero exit trains with its grade
             reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
             self._fail("rollout", f"exit code {code}" + (f": {reason}" if reason else ""))
         return code
@@ -263,8 +225,7 @@ class GuardedSession:
         return f"{count} model call(s) failed at the engine (capture proxy upstream errors)" if count else ""
 
     def ends(self) -> dict[str, int]:
-        """How the proxy ended the rollout (ENDS): call-budget stops (openenv counts context stops among them), context
-        stops, and completions cut at the output cap."""
+        """How the proxy ended the rollout (ENDS); openenv counts context stops among its budget stops."""
         result = getattr(self.inner, "result", None)
         context = sum(CONTEXT_FINDING in f for f in getattr(result, "findings", None) or [])
         stops = int(getattr(result, "budget_stop_count", 0) or 0)
@@ -286,11 +247,8 @@ class GuardedSession:
         return trace
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> Any:
-        """The inner verdict; a crash or a missing reward fails the rollout.
-
-        Raised rather than returned as None: TRL would still train a no-reward rollout's turns at advantage 0,
-        spending a step's sample slots on nothing.
-        """
+        """The inner verdict; a crash or a missing reward fails the rollout (TRL would train a reward-less rollout's
+        turns at advantage 0, spending the step's sample slots on nothing)."""
         try:
             result = self.inner.verify(transcript, final_state)
         except Exception as error:
@@ -305,13 +263,12 @@ class GuardedSession:
         if self._waiting:
             self._stopped_early = True
         try:
-            self.inner.close()
+            self.inner.close()  # a HarborSession times its trial here
         finally:
             if self._waited and not self._stopped_early and not self._recorded:
                 self._recorded = True
-                # The inner session times its trial when it closes (harbor_sessions; scripted sessions do not).
                 capture = self.capture or Capture([], False, 0)
-                result = getattr(self.inner, "result", None)  # HarborSession's: the capture and Harbor's verdict
+                result = getattr(self.inner, "result", None)
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
                                    timing=getattr(self.inner, "timing", None), forked=capture.forked,
                                    tool_calls=capture.tool_calls, ends=self.ends(), task=self.task, reward=self.reward,
@@ -325,8 +282,8 @@ class GuardedSessionFactory:
 
     def __init__(self, inner: Callable[..., Any], ledger_file: str, **kwargs: Any) -> None:
         self.inner = inner(**kwargs)
-        # Warm the inner factory's task map here, before TRL starts its session pool: HarborSessionFactory fills
-        # it lazily inside create(), unlocked, and threads racing there get KeyError (issue 14, defect 7).
+        # Warm the task map before TRL's session pool starts: HarborSessionFactory fills it lazily inside create(),
+        # and threads racing there get KeyError (issue 14, defect 7).
         warm = getattr(self.inner, "tasks", None)
         if callable(warm):
             warm()
@@ -361,9 +318,8 @@ def guarded(factory: Callable[..., Any], ledger_file: str | Path) -> Callable[..
 def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> None:
     """While the trainer waits for rollouts: date the heartbeat to the newest progress, step or finished rollout.
 
-    The heartbeat's text keeps the last optimizer step and its time (written by train_callbacks.Heartbeat); only its
-    mtime moves, which is what run_job.sh's watchdog reads. Only a trainer that is waiting calls this, so a
-    trainer stuck elsewhere still goes stale while rollouts keep finishing.
+    Only the file's mtime moves (its text keeps the last step, from train_callbacks.Heartbeat): run_job.sh's watchdog
+    reads the mtime, and only a waiting trainer calls this, so one stuck elsewhere still goes stale.
     """
     heartbeat = Path(heartbeat_file)
     try:
@@ -373,40 +329,3 @@ def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> No
         return
     progress = min(max(stepped, finished), time.time())
     os.utime(heartbeat, (progress, progress))
-
-
-# The dashboard's rollout counts (TRL sums a `total` over the logging window): metric -> the ledger's counter.
-ROLLOUT_COUNTS = {"rollout/finished_total": "rollouts", "rollout/unscorable_total": "unscorable_total",
-                  "rollout/timed_out_total": "timed_out", "rollout/forked_total": "forked",
-                  **{f"rollout/{counter}_total": counter for counter in ENDS.values()}}
-TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per scored rollout: a (calls, rollouts) rate, as TRL reduces
-
-
-class LedgerGrowth:
-    """What the ledger counted since the last look, as the dashboard logs it (read in the trainer's process).
-
-    The ledger is written by the rollout child, a separate process, so this reads its file: each look returns the
-    ledger's growth since the previous one. A rollout is in the ledger before its samples can reach the trainer (TRL
-    closes the session, which records it, before the group is scored), so a step's look counts every rollout the
-    step trains. Only this start's ledger counts (`started` at or after this object was made: a file an earlier
-    start left is not this run's), and a new ledger (a restarted child) is counted from zero.
-    """
-
-    def __init__(self, ledger_file: str | Path) -> None:
-        self.path = Path(ledger_file)
-        self.since = time.time()  # made before train() starts the rollout child, which begins the ledger
-        self._last: dict[str, Any] = {}
-
-    def take(self) -> dict[str, float | tuple[float, float]]:
-        """The ledger's growth since the last call, by dashboard metric; {} while this start has no ledger."""
-        ledger = read_ledger(self.path)
-        if not ledger or ledger.get("started", 0) < self.since:
-            return {}
-        last = self._last if self._last.get("started") == ledger["started"] else {}
-        self._last = ledger
-        grown = {key: ledger[key] - last.get(key, 0) for key in (*ROLLOUT_COUNTS.values(), "scored", "tool_calls")}
-        counts: dict[str, float | tuple[float, float]] = {
-            metric: float(grown[key]) for metric, key in ROLLOUT_COUNTS.items()}
-        if grown["scored"]:
-            counts[TOOL_CALLS_MEAN] = (float(grown["tool_calls"]), float(grown["scored"]))
-        return counts

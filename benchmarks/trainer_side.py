@@ -56,7 +56,8 @@ from trl.trainer.utils import add_fused_lm_head  # noqa: E402
 
 import recipe  # noqa: E402
 import train_weight_sync  # noqa: E402
-from train_lora import conv_safe_batching, lora_config, lora_param_count  # noqa: E402
+from tests.tiny_lfm2 import lora_param_count  # noqa: E402
+from train_lora import conv_safe_batching, lora_config  # noqa: E402
 
 # LFM2-2.6B as read off its public ONNX export (FACTS.md); --config replaces it with a real config.json.
 LFM2_2_6B = dict(
@@ -216,7 +217,7 @@ def adapter_size(table: Table, model: torch.nn.Module, config: Lfm2Config) -> No
         "1",
         "LoRA trainable params",
         f"{n_lora:,}",
-        f"formula (FACTS.md, train_lora.lora_param_count): {formula:,}",
+        f"formula (FACTS.md, tests/tiny_lfm2.lora_param_count): {formula:,}",
         "matches" if n_lora == formula else "DIFFERS from the formula",
     )
     with tempfile.TemporaryDirectory() as tmp:
@@ -300,47 +301,36 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
             f"{med['total'] / floor_ms:.1f}x floor",
         )
 
-    plan_ms = time_ms(lambda: train_weight_sync.sync_plan(model), torch.device("cpu"), args.repeats, 1)
-    table.add(
-        "8",
-        "CPU walk of TRL's named params (per sync if not cached)",
-        f"{statistics.median(plan_ms):.2f} ms",
-        "",
-        "the merge-free trainer builds this plan once and reuses it",
-    )
-    plan = train_weight_sync.sync_plan(model)
     largest = max(w.numel() for w in wrapped_base_weights(model))
     largest_any = max(p.numel() for p in params)
-    for label, fused in merge_free_variants(model, sent, device):
 
-        def merge_free(fused: train_weight_sync.FusedMerge | None = fused) -> None:
-            for _, tensor in train_weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
-                del tensor
+    def merge_free() -> None:
+        for _, tensor in train_weight_sync.merge_free_named_tensors(model, sent):
+            del tensor
 
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-        before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
-        times = time_ms(merge_free, device, args.repeats, args.warmup)
-        peak_extra = human(torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else "n/a on CPU"
-        med, p90 = median_p90(times)
-        synchronize(device)
-        t0 = time.perf_counter()
-        merge_free()
-        issue_ms = (time.perf_counter() - t0) * 1e3  # CPU time to issue the work; near the total = CPU-bound
-        synchronize(device)
-        gpu_ms = f"GPU time queued ahead {gpu_only_ms(merge_free, device, 5):.2f} ms; " if device.type == "cuda" else ""
-        table.add(
-            "8",
-            f"merge-free sync, trainer side (bf16 stream), {label}",
-            f"{med:.2f} ms (p90 {p90:.2f})",
-            f"goal <= {MERGE_FREE_GOAL_MS} ms",
-            f"{med / floor_ms:.2f}x floor; CPU issue time {issue_ms:.1f} ms; {gpu_ms}peak extra memory {peak_extra} "
-            f"(bound: fp32 B @ A of the largest wrapped weight, {largest:,} elems, + bf16 copy of the largest "
-            f"weight, {largest_any:,} elems = {human(4 * largest + 2 * largest_any)})",
-        )
     if device.type == "cuda":
-        check_rows(table, model, sent, plan, device, args)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+    before = torch.cuda.memory_allocated() if device.type == "cuda" else 0
+    times = time_ms(merge_free, device, args.repeats, args.warmup)
+    peak_extra = human(torch.cuda.max_memory_allocated() - before) if device.type == "cuda" else "n/a on CPU"
+    med, p90 = median_p90(times)
+    synchronize(device)
+    t0 = time.perf_counter()
+    merge_free()
+    issue_ms = (time.perf_counter() - t0) * 1e3  # CPU time to issue the work; near the total = CPU-bound
+    synchronize(device)
+    gpu_ms = f"GPU time queued ahead {gpu_only_ms(merge_free, device, 5):.2f} ms; " if device.type == "cuda" else ""
+    table.add(
+        "8",
+        "merge-free sync, trainer side (bf16 stream)",
+        f"{med:.2f} ms (p90 {p90:.2f})",
+        f"goal <= {MERGE_FREE_GOAL_MS} ms",
+        f"{med / floor_ms:.2f}x floor; CPU issue time {issue_ms:.1f} ms; {gpu_ms}peak extra memory {peak_extra} "
+        f"(bound: two fp32 B @ A temps of the largest wrapped weight, {largest:,} elems, or the bf16 copy of the "
+        f"largest weight, {largest_any:,} elems: {human(max(10 * largest, 2 * largest_any))})",
+    )
+    if device.type == "cuda":
         kernel_rows(table, model, device, args, bandwidth)
     table.add(
         "8",
@@ -350,47 +340,6 @@ def weight_sync_rows(table: Table, model: torch.nn.Module, device: torch.device,
         "stock sends the trainer's fp32 and vLLM casts on receipt; merge-free sends bf16",
     )
     exactness_rows(table, model, sent, device)
-
-
-def checked_fused(model: torch.nn.Module, sent: torch.dtype, device: torch.device,
-                  plan: list[train_weight_sync.PlanEntry] | None = None
-                  ) -> train_weight_sync.FusedMerge | None:  # fmt: skip
-    """A FusedMerge past its one-time check (the trainer's first sync), as the trainer holds it from then on."""
-    fused = train_weight_sync.fused_merge_for(device)
-    if fused is not None:
-        for _, tensor in train_weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused):
-            del tensor
-    return fused
-
-
-def merge_free_variants(
-    model: torch.nn.Module, sent: torch.dtype, device: torch.device
-) -> list[tuple[str, train_weight_sync.FusedMerge | None]]:
-    """The shipped stream (fused kernel once checked, on a GPU with Triton) and cuBLAS's path it falls back to."""
-    variants: list[tuple[str, train_weight_sync.FusedMerge | None]] = [("cuBLAS B @ A + torch.add into bf16", None)]
-    fused = checked_fused(model, sent, device)
-    if fused is not None:
-        variants.insert(0, (f"shipped: fused Triton merge-cast ({fused.summary()})", fused))
-    return variants
-
-
-def check_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, plan: list[train_weight_sync.PlanEntry],
-               device: torch.device, args: argparse.Namespace) -> None:  # fmt: skip
-    """The one-time cost: the trainer's first sync with a nonzero B runs both paths and compares them."""
-    times = time_ms(lambda: checked_fused(model, sent, device, plan), device, max(3, args.repeats // 4), 1)
-    med, p90 = median_p90(times)
-    torch.cuda.synchronize()
-    torch.cuda.reset_peak_memory_stats()
-    before = torch.cuda.memory_allocated()
-    checked_fused(model, sent, device, plan)
-    peak_extra = torch.cuda.max_memory_allocated() - before
-    table.add(
-        "8",
-        "merge-free first sync, with the fused kernel's bit check (once per run)",
-        f"{med:.2f} ms (p90 {p90:.2f})",
-        "",
-        f"cuBLAS's path + the kernel + a compare per wrapped tensor; peak extra memory {human(peak_extra)}",
-    )
 
 
 def kernel_rows(
@@ -407,12 +356,10 @@ def kernel_rows(
     n = weight.numel()
     steps = {
         "B @ A (fp32 temp)": (lambda: torch.mm(lora_b, lora_a), 4 * n),
-        "torch.add (W, temp -> bf16)": (lambda: train_weight_sync.add_into(weight, delta, 2.0, out), 10 * n),
+        "B @ A * 2 (PEFT's delta: a second fp32 pass)": (lambda: torch.mm(lora_b, lora_a) * 2.0, 12 * n),
+        "torch.add (W, delta -> bf16)": (lambda: torch.add(weight, delta, out=out), 10 * n),
         "W.to(bf16) (copy reference)": (lambda: out.copy_(weight), 6 * n),
     }
-    if train_weight_sync.triton is not None:
-        fused = (lambda: train_weight_sync.merge_cast(weight, lora_a, lora_b, 2.0, out), 6 * n)
-        steps["shipped: fused merge-cast (W, A, B -> bf16)"] = fused
     for label, (fn, nbytes) in steps.items():
         med = statistics.median(time_ms(fn, device, args.repeats, args.warmup))
         table.add(
@@ -425,31 +372,30 @@ def kernel_rows(
 
 
 def exactness_rows(table: Table, model: torch.nn.Module, sent: torch.dtype, device: torch.device) -> None:
-    """On this device: every merge-free variant vs stock merge -> cast -> unmerge, and the base untouched."""
+    """On this device: the merge-free stream vs stock merge -> cast -> unmerge, and the base untouched."""
     model.merge_adapter()
     try:
         stock = [(n, p.detach().to(sent)) for n, p in _iter_vllm_named_params(model)]
     finally:
         model.unmerge_adapter()
-    for label, fused in merge_free_variants(model, sent, device):
-        base = [p.detach().clone() for _, p in _iter_vllm_named_params(model)]
-        free = list(train_weight_sync.merge_free_named_tensors(model, sent, fused=fused))
-        unchanged = all(torch.equal(b, p) for b, (_, p) in zip(base, _iter_vllm_named_params(model), strict=True))
-        del base
-        names_equal = [n for n, _ in free] == [n for n, _ in stock]
-        bad_tensors = bad_elems = 0
-        for (_, mine), (_, theirs) in zip(free, stock, strict=True):
-            diff = int((mine.view(torch.int16) != theirs.view(torch.int16)).sum())
-            bad_tensors += diff > 0
-            bad_elems += diff
-        del free
-        table.add(
-            "8",
-            f"merge-free == stock, bit for bit (this device), {label}",
-            "yes" if names_equal and bad_elems == 0 else f"NO: {bad_tensors} tensors / {bad_elems} elements differ",
-            "",
-            f"names/order equal: {names_equal}; base weights unchanged by merge-free: {unchanged}",
-        )
+    base = [p.detach().clone() for _, p in _iter_vllm_named_params(model)]
+    free = list(train_weight_sync.merge_free_named_tensors(model, sent))
+    unchanged = all(torch.equal(b, p) for b, (_, p) in zip(base, _iter_vllm_named_params(model), strict=True))
+    del base
+    names_equal = [n for n, _ in free] == [n for n, _ in stock]
+    bad_tensors = bad_elems = 0
+    for (_, mine), (_, theirs) in zip(free, stock, strict=True):
+        diff = int((mine.view(torch.int16) != theirs.view(torch.int16)).sum())
+        bad_tensors += diff > 0
+        bad_elems += diff
+    del free
+    table.add(
+        "8",
+        "merge-free == stock, bit for bit (this device)",
+        "yes" if names_equal and bad_elems == 0 else f"NO: {bad_tensors} tensors / {bad_elems} elements differ",
+        "",
+        f"names/order equal: {names_equal}; base weights unchanged by merge-free: {unchanged}",
+    )
 
 
 # --- 3. Drift of the frozen weights after repeated merge/unmerge ----------------------------------------------------
@@ -692,18 +638,16 @@ def bit_mismatches(expected: list[torch.Tensor], received: list[torch.Tensor]) -
     return tensors, elements
 
 
-def trainer_stream(model: torch.nn.Module, variant: str, plan: list[train_weight_sync.PlanEntry],
-                   fused: train_weight_sync.FusedMerge | None) -> Iterator[torch.Tensor]:  # fmt: skip
+def trainer_stream(model: torch.nn.Module, variant: str) -> Iterator[torch.Tensor]:
     """What the trainer puts on the wire, tensor by tensor, in TRL's order (the model is merged for stock)."""
     sent = train_weight_sync.send_dtype()
     if variant == NCCL_VARIANTS[2]:
-        return (t for _, t in train_weight_sync.merge_free_named_tensors(model, sent, plan=plan, fused=fused))
+        return (t for _, t in train_weight_sync.merge_free_named_tensors(model, sent))
     cast = variant == NCCL_VARIANTS[1]
     return (p.detach().to(sent) if cast else p.detach() for _, p in _iter_vllm_named_params(model))
 
 
-def trainer_sync(model: torch.nn.Module, variant: str, plan: list[train_weight_sync.PlanEntry], buckets: list[range],
-                 device: torch.device, fused: train_weight_sync.FusedMerge | None) -> dict[str, float]:  # fmt: skip
+def trainer_sync(model: torch.nn.Module, variant: str, buckets: list[range], device: torch.device) -> dict[str, float]:
     """One sync on rank 0, phase by phase (ms): merge, transfer until the receiver has copied everything, unmerge."""
     stock = variant != NCCL_VARIANTS[2]
     rendezvous(device)
@@ -713,7 +657,7 @@ def trainer_sync(model: torch.nn.Module, variant: str, plan: list[train_weight_s
     synchronize(device)
     stamps.append(time.perf_counter())
     try:
-        send_packed(trainer_stream(model, variant, plan, fused), buckets, src=0)
+        send_packed(trainer_stream(model, variant), buckets, src=0)
         rendezvous(device)  # the receiver joins only after its last copy: the weights are in place
         stamps.append(time.perf_counter())
     finally:
@@ -785,11 +729,9 @@ def nccl_trainer(args: argparse.Namespace, device: torch.device) -> Table:
     """Rank 0: time every (variant, bucket size), then check the receiver's weights bit for bit after each."""
     table = Table()
     model = lora_model(model_config(args), device, getattr(torch, recipe.TRAINER_DTYPE))
-    plan = train_weight_sync.sync_plan(model)
     specs = manifests(model)
     dist.broadcast_object_list([specs], src=0)  # TRL hands vLLM this manifest over HTTP before the first sync
     sent = train_weight_sync.send_dtype()
-    fused = checked_fused(model, sent, device)  # the merge-free variant as the trainer runs it after its first sync
     model.merge_adapter()
     try:  # what vLLM must hold after any sync: the merged weights, rounded to bf16
         expected = [p.detach().to(sent) for _, p in _iter_vllm_named_params(model)]
@@ -808,14 +750,14 @@ def nccl_trainer(args: argparse.Namespace, device: torch.device) -> Table:
         sizes = [math.prod(shape) * dtype.itemsize for _, shape, dtype in manifest]
         buckets = bucket_ranges(sizes, bucket_bytes)
         total_runs = args.nccl_warmup + args.nccl_repeats
-        runs = [trainer_sync(model, variant, plan, buckets, device, fused) for _ in range(total_runs)]
+        runs = [trainer_sync(model, variant, buckets, device) for _ in range(total_runs)]
         runs = runs[args.nccl_warmup :]
         med = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
         _, p90 = median_p90([r["total"] for r in runs])
         moved = sum(sizes)
         rate = moved / (med["transfer"] / 1e3)
         # The receiver zeroes its weights, takes one more sync, and sends them back: a real end-to-end check.
-        trainer_sync(model, variant, plan, buckets, device, fused)
+        trainer_sync(model, variant, buckets, device)
         back = [torch.empty(e.shape, dtype=e.dtype, device=device) for e in expected]
         receive_packed(back, specs[NCCL_VARIANTS[1]], bucket_ranges([2 * e.numel() for e in expected], 2**30), src=1)
         bad_tensors, bad_elems = bit_mismatches(expected, back)

@@ -65,7 +65,7 @@ def test_tiny_benchmark_runs_every_section_without_failure(tiny_run):
 def test_tiny_benchmark_checks_its_claims(tiny_run):
     _, _, rows = tiny_run
     (params,) = [r for r in rows_for(rows, "1") if r["metric"] == "LoRA trainable params"]
-    assert params["note"] == "matches"  # PEFT's count equals train_lora.lora_param_count (FACTS.md formula)
+    assert params["note"] == "matches"  # PEFT's count equals tiny_lfm2.lora_param_count (FACTS.md formula)
     exact = [r for r in rows_for(rows, "8") if r["metric"].startswith("merge-free == stock")]
     assert exact and all(r["measured"] == "yes" and "unchanged by merge-free: True" in r["note"] for r in exact)
     drift = {r["metric"]: r["measured"] for r in rows_for(rows, "3")}

@@ -123,7 +123,7 @@ def train_log(steps: list[dict] | None = None, resumed_from: int | None = 2) -> 
     for step, metrics in enumerate(steps or simulated_steps(), start=1):
         logs.append({"start": 0 if step <= 2 else 1, "step": step, "loss": 0.01, **metrics,
                      "perf/step_s": None if step in (1, 3) else 80.0 + step, "perf/weight_sync_s": 0.010 + step / 1000,
-                     "perf/weight_sync_fused_tensors": 0.0 if step == 1 else 266.0, "rollout/fork_frac": 0.0,
+                     "rollout/fork_frac": 0.0,
                      "kl/fresh": 1.7e-4, "kl/old": 2.4e-4, "clip_ratio/fresh": 0.001, "clip_ratio/old": 0.004,
                      "clip_ratio/unbounded_total": 2.0, "lora/update_norm": 6e-3, "lora/b_norm": 0.002 * step,
                      "learning_rate": 1e-6, "group/zero_contrast_frac": 0.5 if step % 2 else 0.0,
@@ -194,7 +194,6 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert training["lora_update"] == pytest.approx(6e-3)
     assert training["groups"] == {"zero_contrast": 0.25, "bonus_only": 0.0, "zero_advantage": 0.25}
     assert training["sync_ms"]["max"] == pytest.approx(16.0) and training["sync_ms"]["median"] == pytest.approx(13.5)
-    assert training["fused_tensors"] == 266
     assert training["fork_frac"] == 0.0 and training["fork_frac_logged"]
     assert training["stale_frac"] == 0.0 and training["samples_trained"] == 48
     assert report["rollouts"] == {k: LEDGER[k] for k in ("rollouts", "scored", "timed_out", *smoke_report.ENDS,
@@ -216,7 +215,7 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
                  "by age (fresh/old): kl 0.00017/0.00024, clipped 0.1%/0.4%; unbounded tokens 12",
                  "LoRA: update 0.006/step, |B| 0.012, learning rate 1e-06", "rows from zero-contrast groups 25.0%",
                  "rollouts ended by the call budget 2, the context 1, a cut at the output cap 4",
-                 "fused tensors 266", "2:ok, 4:ok, 6:ok", "pass@1 base 0.50", "vllm 0.31.0",
+                 "2:ok, 4:ok, 6:ok", "pass@1 base 0.50", "vllm 0.31.0",
                  "Harbor sessions: fetch_training_trace present",
                  f"setup of 59 rollouts: slowest 80 s (budget {recipe.ROLLOUT_SETUP_BUDGET_S} s); sandbox_start 32",
                  "healthcheck 40", "agent_setup 12", "verifier 9"):

@@ -31,7 +31,7 @@ import train_lora
 import train_metrics
 from tests.fake_sessions import TASKS, FakeSessionFactory, fake_task_list
 from tests.hub_double import LocalHub
-from tests.tiny_lfm2 import LAYER_TYPES, save_tiny_model, tiny_model
+from tests.tiny_lfm2 import LAYER_TYPES, lora_param_count, save_tiny_model, tiny_model
 from tests.trl_cpu_shims import NullWeightTransfer, cpu_trainer_shims
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,7 +74,7 @@ def test_lora_wraps_attention_and_ffn_only_and_count_matches_formula(tmp_path):
 
     peft_model.save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")
-    assert sum(t.numel() for t in saved.values()) == train_lora.lora_param_count(model.config)
+    assert sum(t.numel() for t in saved.values()) == lora_param_count(model.config)
     assert all("conv" not in key and "lm_head" not in key for key in saved)
 
 
@@ -90,7 +90,7 @@ def test_param_count_formula_follows_auto_adjusted_ffn(tmp_path):
     model, _ = tiny_model(block_auto_adjust_ff_dim=True, block_ffn_dim_multiplier=1.5, block_multiple_of=16)
     get_peft_model(model, train_lora.lora_config()).save_pretrained(tmp_path)
     saved = load_file(tmp_path / "adapter_model.safetensors")
-    assert sum(t.numel() for t in saved.values()) == train_lora.lora_param_count(model.config)
+    assert sum(t.numel() for t in saved.values()) == lora_param_count(model.config)
 
 
 def test_param_count_of_the_real_layout_is_the_published_adapter_size():
@@ -99,7 +99,7 @@ def test_param_count_of_the_real_layout_is_the_published_adapter_size():
     config = Lfm2Config(vocab_size=65536, hidden_size=2048, intermediate_size=10752, num_hidden_layers=30,
                         num_attention_heads=32, num_key_value_heads=8, block_auto_adjust_ff_dim=False,
                         layer_types=["full_attention" if i in attention else "conv" for i in range(30)])
-    assert train_lora.lora_param_count(config) == 40_271_872
+    assert lora_param_count(config) == 40_271_872
 
 
 # --- Reward ----------------------------------------------------------------------------------------------------------
@@ -561,4 +561,4 @@ def test_train_pushes_every_checkpoint_beats_every_step_and_resumes(tmp_path):
     assert {"adapter_model.safetensors", "adapter_config.json", "tokenizer.json"} <= set(files)  # Final at the root.
     assert "training_args.bin" not in files and "optimizer.pt" not in files
     final = load_file(tmp_path / "hub" / REPO / "adapter_model.safetensors")
-    assert sum(t.numel() for t in final.values()) == train_lora.lora_param_count(tiny_model()[0].config)
+    assert sum(t.numel() for t in final.values()) == lora_param_count(tiny_model()[0].config)

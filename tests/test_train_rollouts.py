@@ -26,6 +26,7 @@ from trl.experimental.async_grpo.async_grpo_trainer import _reduce_metric
 
 import recipe
 import train_lora
+import train_metrics
 from tests.fake_sessions import (
     FAULTS,
     TASKS,
@@ -210,18 +211,14 @@ def logged_step(growth) -> dict:
 
 def quiet(**counts: float) -> dict:
     """A step's rollout counts: these, every other counter 0."""
-    import train_rollouts
-
-    return {**dict.fromkeys(train_rollouts.ROLLOUT_COUNTS, 0.0), **counts}
+    return {**dict.fromkeys(train_metrics.ROLLOUT_COUNTS, 0.0), **counts}
 
 
 def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loop, tmp_path):
     """The guard's ledger is the one rollout counter. It is written in TRL's rollout child; the trainer reads the file
-    each step (train_rollouts.LedgerGrowth), so the dashboard shows the ledger's own numbers."""
-    import train_rollouts
-
+    each step (train_metrics.LedgerGrowth), so the dashboard shows the ledger's own numbers."""
     # Made before the rollout child starts, as train_metrics.attach makes it.
-    growth = train_rollouts.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    growth = train_metrics.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     plan = ("scored", "forked", "timeout", "verifier", "create")
     loop, _ = make_loop(functools.partial(PlannedSessionFactory, plan=plan))
     results = [loop._run_session(PROMPT, 0)[0] for _ in range(3)]
@@ -239,9 +236,7 @@ def test_each_step_logs_what_the_ledger_counted_since_the_previous_step(make_loo
 def test_a_timed_out_rollout_whose_verifier_wrote_no_reward_shows_as_timed_out_and_unscorable(make_loop, tmp_path):
     """The agent hit its time limit, then the verifier wrote no reward: the dashboard counts it under both, as the
     ledger (and so the smoke report) does. The old loop-side count saw only timed-out rollouts that were scored."""
-    import train_rollouts
-
-    growth = train_rollouts.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    growth = train_metrics.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("timeout_verifier",)))
     assert loop._run_session(PROMPT, 0)[0][5] is None
     assert (ledger(settings)["timed_out"], ledger(settings)["unscorable"]["verifier"]) == (1, 1)
@@ -254,9 +249,7 @@ def test_how_the_proxy_ended_a_rollout_is_in_its_log_line_the_ledger_and_the_ste
     of whose completions was cut at the output cap (openenv's result: budget_stop_count, which counts the context stop
     too, and the context_budget_exhausted finding; the captured response's finish_reason) trains as graded, and says
     so; a rollout that ended on its own says none of it."""
-    import train_rollouts
-
-    growth = train_rollouts.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
+    growth = train_metrics.LedgerGrowth(recipe.work_file(tmp_path / "heartbeat", recipe.LEDGER_NAME))
     loop, settings = make_loop(functools.partial(PlannedSessionFactory, plan=("ended", "scored")))
     assert [loop._run_session(PROMPT, 0)[0][5] is not None for _ in range(2)] == [True, True]  # both trained
     log = recipe.work_file(settings.heartbeat_file, recipe.ROLLOUT_LOG_NAME)
@@ -278,7 +271,7 @@ def test_the_dashboard_counts_only_this_starts_ledger_and_a_restarted_ledger_fro
     path = tmp_path / "rollouts.json"
     train_rollouts.Ledger(path).record(None)
     time.sleep(0.01)
-    growth = train_rollouts.LedgerGrowth(path)
+    growth = train_metrics.LedgerGrowth(path)
     assert logged_step(growth) == {}
     current = train_rollouts.Ledger(path)
     current.record(None)

@@ -15,6 +15,8 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import Lfm2Config, Lfm2ForCausalLM, PreTrainedTokenizerFast
 from trl.chat_template_utils import lfm2_2_5_chat_template
 
+import recipe
+
 SPECIAL_TOKENS = [
     "<|pad|>", "<|startoftext|>", "<|im_end|>", "<|im_start|>",
     "<|tool_call_start|>", "<|tool_call_end|>", "<|tool_list_start|>", "<|tool_list_end|>",
@@ -107,3 +109,21 @@ def save_tiny_model(path: Path, seed: int = 0, vocab_size: int | None = None, **
     model.save_pretrained(path)
     tokenizer.save_pretrained(path)
     return Path(path)
+
+
+def lora_param_count(config: Lfm2Config, r: int = recipe.LORA_R) -> int:
+    """Adapter parameters train_lora.lora_config() adds to an Lfm2 model: r * (in + out) per wrapped Linear, read off
+    the config, so the artifact size is stated for the real model (40,271,872 on LFM2-2.6B) without loading it."""
+    hidden, heads, kv_heads = config.hidden_size, config.num_attention_heads, config.num_key_value_heads
+    head_dim = getattr(config, "head_dim", None) or hidden // heads
+    ffn = config.intermediate_size
+    if config.block_auto_adjust_ff_dim:  # Same rule as transformers' Lfm2MLP.
+        ffn = int(2 * ffn / 3)
+        if config.block_ffn_dim_multiplier is not None:
+            ffn = int(config.block_ffn_dim_multiplier * ffn)
+            ffn = config.block_multiple_of * ((ffn + config.block_multiple_of - 1) // config.block_multiple_of)
+    q, kv = heads * head_dim, kv_heads * head_dim
+    attention = (hidden + q) + 2 * (hidden + kv) + (q + hidden)
+    feed_forward = 3 * (hidden + ffn)
+    n_attention = sum(t == "full_attention" for t in config.layer_types)
+    return r * (n_attention * attention + len(config.layer_types) * feed_forward)
