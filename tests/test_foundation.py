@@ -302,6 +302,18 @@ def test_unset_or_empty_knob_is_the_recipe_default() -> None:
     assert recipe.knob("MAX_STEPS", {"MAX_STEPS": "9"}, value="12") == 12  # a flag wins over the environment
 
 
+def test_the_watchdog_checks_at_least_as_often_as_a_short_stall_limit() -> None:
+    """An unset WATCH_INTERVAL follows a STALL_SECONDS under its own default (a stall is seen within the limit), as
+    the shell scripts read it too; a given one longer than the limit is refused."""
+    assert recipe.knob("WATCH_INTERVAL", {"STALL_SECONDS": "10"}) == 10
+    assert recipe.knob("WATCH_INTERVAL", {}) == recipe.WATCH_INTERVAL_S
+    out = subprocess.run([sys.executable, "recipe.py", "--env", "STALL_SECONDS", "WATCH_INTERVAL"], cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "STALL_SECONDS": "10"}, capture_output=True, text=True)
+    assert out.stdout.splitlines() == ["STALL_SECONDS=10", "WATCH_INTERVAL=10"], out.stderr
+    with pytest.raises(recipe.ConfigError, match="^WATCH_INTERVAL=11 is out of range: use at most 10 "):
+        recipe.knob("WATCH_INTERVAL", {"STALL_SECONDS": "10", "WATCH_INTERVAL": "11"})
+
+
 def test_recipe_env_cli_prints_checked_knobs_for_shell_scripts() -> None:
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "Yes", "MAX_IDLE_HOURS": "6.0", "N_TASKS": " 40 "}
     out = subprocess.run([sys.executable, "recipe.py", "--env", "DRY_RUN", "MAX_IDLE_HOURS", "N_TASKS", "RESUME"],
