@@ -200,7 +200,8 @@ install_stack() {
   command -v curl >/dev/null 2>&1 || tools+=(curl)  # wait_http needs it
   if dry_run; then
     echo "  install (recipe.py --requirements $SANDBOX): $(grep -vE '^(#|$)' <<<"$pins" | paste -sd' ')"
-    echo "  held by $WORK_DIR/constraints.txt: $tf_pin, vllm and torch at the image's versions, vLLM's own ranges"
+    echo "  held by $WORK_DIR/constraints.txt (image_check.py; an image without vllm==$(recipe VLLM_VERSION) is refused):" \
+      "$tf_pin, vllm and torch at the image's versions, vLLM's own ranges"
     echo "  (only the missing ones of git, curl)"; tools=(git curl)
     held="the image's vllm and torch"
   else

@@ -48,7 +48,7 @@ FREEZE_SEED = 20260101  # orders the lists `prepare_tasks.py freeze` selects (da
 # Every task's tests/grader.py (the lineage's numeric-only grader): a task whose grader differs is refused.
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
 # Harbor's backend for every rollout (env SANDBOX): the key sets Harbor's preflight accepts (any one, all of it set;
-# passed as job secrets), the SDK settings passed on when set, and the pins installed with JOB_REQUIREMENTS.
+# passed as job secrets), SDK settings passed on when set, pins installed with JOB_REQUIREMENTS (docs/sandboxes.md).
 SANDBOX = "hf-sandbox"
 SANDBOXES: dict[str, dict[str, Any]] = {
     "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": ""},
