@@ -4,11 +4,6 @@
 # ///
 """Upload the code bundle and start one of the recipe's Hugging Face Jobs: train, smoke, eval-watch or eval.
 
-`run_job(expose_public=...)` exists only from huggingface_hub 2.1.1 on, while the training stack pins
-huggingface_hub<2.0, so the launcher runs in its own throw-away environment: the inline script metadata
-above (PEP 723) makes `uv run launch.py` bring huggingface_hub>=2.1.1 and tomli-w (prepare_tasks.py, whose
-task-list checks the preflight reuses, imports it), in any shell:
-
     export ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL
     uv run launch.py smoke                                # the recipe's MAX_STEPS=20 smoke test, every stage: first
     uv run launch.py eval-watch --smoke                   # the watcher's hot-load path on the smoke run's checkpoints
@@ -17,9 +12,10 @@ task-list checks the preflight reuses, imports it), in any shell:
     uv run launch.py eval --checkpoint checkpoint-300     # standalone base-vs-adapter eval on h200
     .venv/bin/python launch.py train --dry-run            # prints the job spec and the upload list, touches nothing
 
-Every check runs before anything is uploaded or started (a job already running on the repo, write access to both
-repos); each failure is one line with its fix. A train launch of fewer steps than the recipe's goes to its own
-repo, <ADAPTER_REPO>-<N>steps. The token is read from HF_TOKEN (or the stored `hf auth login` token) and never printed.
+`uv run` reads the inline metadata above: run_job(expose_public=...) needs huggingface_hub>=2.1.1, which the training
+stack's pins exclude. Every check runs before anything is uploaded or started, each failure one line with its fix; a
+train of fewer steps than the recipe's goes to <ADAPTER_REPO>-<N>steps. The token (HF_TOKEN, or the stored `hf auth
+login` one) is never printed.
 """
 
 from __future__ import annotations
@@ -39,6 +35,7 @@ import recipe
 import smoke_report
 from adapter_repo import (
     FINAL,
+    SMOKE_SUFFIX,
     TRAIN_SCRIPT,
     checkpoint_complete,
     checkpoint_name,
@@ -53,60 +50,49 @@ from adapter_repo import (
 HERE = Path(__file__).resolve().parent
 PROJECT = "lfm-opencode-lora-rl"
 CODE_REPO_NAME = f"{PROJECT}-code"
-SMOKE_SUFFIX = smoke_report.SMOKE_SUFFIX
 APP_DIR = "/app"
-# The bundle: the recipe's own upload patterns (`hf upload --include`), top-level scripts and docs and the frozen task
-# lists; nothing below tests/, benchmarks/, docs/ or set-up folders (Path.glob's * stays within one folder).
+# The recipe's own upload patterns (`hf upload --include`); Path.glob's * stays within one folder.
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
-# Files each job needs besides its entry script (which sources common.sh and reads recipe.py).
+# Files every job needs besides its entry script and the mode's own (MODES).
 COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py",
                 "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
                 "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py", "trajectories.py")
-REDACTED = "<redacted>"
-TOKEN_OWNER = "<token owner>"
-PENDING_REVISION = "<commit of the uploaded bundle>"
-HF_CLI = "uvx hf"  # the Hub's CLI with nothing but uv (PyPI's `hf` is huggingface_hub's CLI)
-_TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
-# Job knobs the launcher passes on when given (flag or environment variable), checked here by the same
-# recipe.knob check the job's own preflight runs; unset ones keep the job's recipe default.
+TRAIN_FILES = ("train_lora.py", "train_callbacks.py", "train_weight_sync.py", "train_rollouts.py", "train_metrics.py",
+               "model_cards.py", "train_resume.py")
+MODES: dict[str, dict[str, Any]] = {
+    "train": {"script": TRAIN_SCRIPT, "needs": TRAIN_FILES, "flavor": recipe.TRAIN_FLAVOR,
+              "timeout": recipe.TRAIN_TIMEOUT},
+    "smoke": {"script": TRAIN_SCRIPT, "needs": (*TRAIN_FILES, "smoke_report.py"), "flavor": recipe.TRAIN_FLAVOR,
+              "timeout": None},  # the smoke plan's cap (smoke_timeout)
+    "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",), "flavor": recipe.EVAL_FLAVOR,
+                   "timeout": recipe.EVAL_WATCH_TIMEOUT},
+    "eval": {"script": "run_eval.sh", "needs": (), "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_TIMEOUT},
+}
+# The knobs each mode passes to its job when given (flag or environment), checked as the job checks them (recipe.KNOBS);
+# the smoke plan fixes SAVE_STEPS, RESUME and FINAL_EVAL.
 JOB_KNOBS: dict[str, tuple[str, ...]] = {
     "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL", "LEARNING_RATE", "MAX_STALENESS"),
-    # Not SAVE_STEPS, RESUME or FINAL_EVAL: the smoke plan fixes them (a stop after its first checkpoint, a resume,
-    # an eval); its MAX_STEPS is the --max-steps flag of its own.
     "smoke": ("WEIGHT_SYNC", "STALL_MINUTES", "LEARNING_RATE", "MAX_STALENESS"),
     "eval-watch": ("MAX_IDLE_HOURS", "EVAL_CONCURRENCY"),
     "eval": ("EVAL_CONCURRENCY",),
 }
-
-# mode -> entry script, extra files it runs, flavor, timeout
-MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": TRAIN_SCRIPT, "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
-                                                "train_rollouts.py", "train_metrics.py", "model_cards.py",
-                                                "train_resume.py"),
-              "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": TRAIN_SCRIPT, "needs": ("train_lora.py", "train_callbacks.py", "train_weight_sync.py",
-                                                "train_rollouts.py", "train_metrics.py", "model_cards.py",
-                                                "train_resume.py", "smoke_report.py"),
-              "flavor": recipe.TRAIN_FLAVOR, "timeout": None},  # the smoke plan's cap (smoke_timeout)
-    "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",),
-                   "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
-    "eval": {"script": "run_eval.sh", "needs": (),
-             "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_TIMEOUT},
-}
+REDACTED = "<redacted>"
+TOKEN_OWNER = "<token owner>"
+PENDING_REVISION = "<commit of the uploaded bundle>"
+HF_CLI = "uvx hf"  # the Hub's CLI with nothing but uv
+_TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 
 
-# --- preflight: one check per function, each raising ConfigError with the fix --------------------------
+# --- preflight: each check raises ConfigError with the fix ---------------------------------------------------------
 def check_hub_version(version: str) -> None:
     """A real launch needs run_job(expose_public=...), which older huggingface_hub releases lack."""
     from packaging.version import Version
 
     if Version(version) < Version(recipe.LAUNCHER_HUB_MIN):
-        need = f"huggingface_hub>={recipe.LAUNCHER_HUB_MIN}"
-        tomli_w = f"tomli-w{recipe.pinned_versions()['tomli-w']}"
-        raise recipe.ConfigError(
-            f"huggingface_hub {version} is too old for launch.py (run_job(expose_public=...) needs {need}): "
-            f"run it as  uv run launch.py ...  (its inline metadata brings {need} and {tomli_w})"
-        )
+        need, tomli_w = f"huggingface_hub>={recipe.LAUNCHER_HUB_MIN}", f"tomli-w{recipe.pinned_versions()['tomli-w']}"
+        raise recipe.ConfigError(f"huggingface_hub {version} is too old for launch.py (run_job(expose_public=...) "
+                                 f"needs {need}): run it as  uv run launch.py ...  (its inline metadata brings {need} "
+                                 f"and {tomli_w})")
 
 
 def checked_token(env: dict[str, str], stored: Callable[[], str | None]) -> str:
@@ -115,10 +101,8 @@ def checked_token(env: dict[str, str], stored: Callable[[], str | None]) -> str:
     if not token:
         raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
     if not _TOKEN.match(token):
-        raise recipe.ConfigError(
-            "HF_TOKEN does not look like a Hugging Face access token (expected hf_ followed by 30+ letters/digits): "
-            "copy a write token from https://huggingface.co/settings/tokens"
-        )
+        raise recipe.ConfigError("HF_TOKEN does not look like a Hugging Face access token (expected hf_ followed by "
+                                 "30+ letters/digits): copy a write token from https://huggingface.co/settings/tokens")
     return token
 
 
@@ -131,40 +115,43 @@ def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str,
     return adapter, code
 
 
-def check_bundle_dir(bundle: Path) -> None:
-    """--bundle-dir is a folder (else every later check would report a missing file inside it)."""
-    if not bundle.is_dir():
-        raise recipe.ConfigError(f"--bundle-dir {bundle} is not a folder: point --bundle-dir (or BUNDLE_DIR) at a "
-                                 f"checkout of {PROJECT}, or leave it unset to upload this one")
-
-
-def check_task_lists(bundle: Path) -> None:
-    """data/train.json (400 medium + 600 hard) and data/test.json (250), by prepare_tasks.py's own checks."""
-    import prepare_tasks
-
-    lists = {split: prepare_tasks.load_list(bundle / "data", split) for split in prepare_tasks.SPLITS}
-    prepare_tasks.check_lists(lists, prepare_tasks.Counts())
+def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
+    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's): its final adapter must not land in the
+    full run's repo, where the eval watcher stops at it and a full train is refused."""
+    try:
+        return recipe.require_repo_id(f"{adapter_repo}{suffix}", "ADAPTER_REPO")
+    except recipe.ConfigError:
+        raise recipe.ConfigError(
+            f"ADAPTER_REPO={adapter_repo!r} cannot take the '{suffix}' suffix {why} ({adapter_repo}{suffix} is not a "
+            "valid repo id; a name has at most 96 characters): use a shorter ADAPTER_REPO name") from None
 
 
 def bundle_files(bundle: Path) -> list[str]:
     """Relative paths of the files the job downloads to /app, sorted."""
-    found = {p.relative_to(bundle).as_posix() for pattern in BUNDLE_GLOBS for p in bundle.glob(pattern) if p.is_file()}
-    return sorted(found)
+    return sorted({p.relative_to(bundle).as_posix() for pattern in BUNDLE_GLOBS for p in bundle.glob(pattern)
+                   if p.is_file()})
 
 
-def check_bundle(bundle: Path, mode: str, files: list[str]) -> None:
-    """Every file the chosen job runs is in the bundle."""
-    needed = {MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES}
-    missing = sorted(needed - set(files))
-    if missing:
+def check_bundle(bundle: Path, mode: str) -> list[str]:
+    """The bundle's files, every one the chosen job runs among them, and its task lists as prepare_tasks.py checks
+    them (400 medium + 600 hard, 250 test)."""
+    import prepare_tasks
+
+    if not bundle.is_dir():
+        raise recipe.ConfigError(f"--bundle-dir {bundle} is not a folder: point --bundle-dir (or BUNDLE_DIR) at a "
+                                 f"checkout of {PROJECT}, or leave it unset to upload this one")
+    lists = {split: prepare_tasks.load_list(bundle / "data", split) for split in prepare_tasks.SPLITS}
+    prepare_tasks.check_lists(lists, prepare_tasks.Counts())
+    files = bundle_files(bundle)
+    if missing := sorted({MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES} - set(files)):
         raise recipe.ConfigError(f"the bundle in {bundle} lacks {', '.join(missing)}: run launch.py from a full "
-                                 "checkout of lfm-opencode-lora-rl (or pass --bundle-dir)")
+                                 f"checkout of {PROJECT} (or pass --bundle-dir)")
+    return files
 
 
 def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str | None, resume: bool = True) -> None:
     """Training starts on a repo without a finished run (the eval watcher would stop at its final adapter), and
-    from step 0 (RESUME=0) only on one without checkpoints; an eval finds its checkpoint. Reads the repo only (real
-    launches; --dry-run touches nothing remote)."""
+    from step 0 (RESUME=0) only on one without checkpoints; an eval finds its checkpoint."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     if mode not in ("train", "eval"):
@@ -180,37 +167,9 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
     if mode == "train" and not resume:
         refuse_fresh_start(adapter_repo, files)
     if mode == "eval" and not checkpoint_complete(files, checkpoint):
-        steps = complete_checkpoints(files)
-        have = ", ".join(checkpoint_name(n) for n in steps[-5:]) or "no complete checkpoints yet"
+        have = ", ".join(checkpoint_name(n) for n in complete_checkpoints(files)[-5:]) or "no complete checkpoints yet"
         raise recipe.ConfigError(f"{adapter_repo} has no {checkpoint!r} adapter: pick one it has ({have}) "
                                  "with --checkpoint")
-
-
-def watch_notes(api: Any, adapter_repo: str, job_vars: dict[str, str]) -> list[str]:
-    """What an eval watcher will do on a repo that does not exist yet (usually: its training job has not created it)."""
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        api.repo_info(adapter_repo)
-        return []
-    except RepositoryNotFoundError:
-        pass
-    hours = recipe.shell_value(recipe.knob("MAX_IDLE_HOURS", job_vars))
-    return [f"{adapter_repo} does not exist yet: the watcher waits for a job to create it, checking every "
-            f"{recipe.EVAL_POLL_SECONDS // 60} min, and fails after MAX_IDLE_HOURS={hours} h (the GPU is billed "
-            "meanwhile); launch the training job for this repo too (it creates the repo when it starts), or fix the "
-            "name and relaunch"]
-
-
-def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
-    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's): its final adapter must not land in the
-    full run's repo, where the eval watcher stops at it and a full train is refused."""
-    try:
-        return recipe.require_repo_id(f"{adapter_repo}{suffix}", "ADAPTER_REPO")
-    except recipe.ConfigError:
-        raise recipe.ConfigError(
-            f"ADAPTER_REPO={adapter_repo!r} cannot take the '{suffix}' suffix {why} ({adapter_repo}{suffix} is not a "
-            "valid repo id; a name has at most 96 characters): use a shorter ADAPTER_REPO name") from None
 
 
 def check_no_live_job(api: Any, mode: str, adapter_repo: str, job_vars: dict[str, str]) -> None:
@@ -226,9 +185,9 @@ def check_no_live_job(api: Any, mode: str, adapter_repo: str, job_vars: dict[str
 
 
 def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str) -> None:
-    """The token may write both repos (the Hub's own auth-check), before anything is uploaded or started: the job
-    would find a read-only ADAPTER_REPO only after install, tasks and servers. Training creates its repo (private) as
-    its job would; an eval watcher's repo that does not exist yet is its training job's to create (watch_notes)."""
+    """The token may write both repos (the Hub's own auth-check) before anything is uploaded or started: the job
+    would find a read-only ADAPTER_REPO only after install, tasks and servers. Training creates its repo as its job
+    would; an eval watcher's repo that does not exist yet is its training job's to create (watch_notes)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     require_write_access(api, code_repo)
@@ -240,17 +199,22 @@ def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str) -
     require_write_access(api, adapter_repo)
 
 
-def passed_knobs(mode: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """The JOB_KNOBS of `mode` that were given, checked and written as the job reads them (flags as 1/0)."""
-    passed = {}
-    for name in JOB_KNOBS[mode]:
-        given = getattr(args, name.lower())
-        if str(given if given is not None else env.get(name, "")).strip():
-            passed[name] = recipe.shell_value(recipe.knob(name, env, given))
-    return passed
+def watch_notes(api: Any, adapter_repo: str, job_vars: dict[str, str]) -> list[str]:
+    """What an eval watcher will do on a repo that does not exist yet (usually: its training job has not created it)."""
+    from huggingface_hub.errors import RepositoryNotFoundError
+
+    try:
+        api.repo_info(adapter_repo)
+        return []
+    except RepositoryNotFoundError:
+        hours = recipe.shell_value(recipe.knob("MAX_IDLE_HOURS", job_vars))
+    return [f"{adapter_repo} does not exist yet: the watcher waits for a job to create it, checking every "
+            f"{recipe.EVAL_POLL_SECONDS // 60} min, and fails after MAX_IDLE_HOURS={hours} h (the GPU is billed "
+            "meanwhile); launch the training job for this repo too (it creates the repo when it starts), or fix the "
+            "name and relaunch"]
 
 
-# --- the job spec --------------------------------------------------------------------------------------
+# --- the job spec ---------------------------------------------------------------------------------------------------
 def job_command(code_repo: str, revision: str, script: str) -> list[str]:
     """Download exactly the uploaded bundle commit to /app and run one script (the image has python3, no git)."""
     hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
@@ -263,12 +227,13 @@ def job_command(code_repo: str, revision: str, script: str) -> list[str]:
 
 
 def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """The environment the job's script reads (everything else comes from recipe.py inside the bundle)."""
+    """The environment the job's script reads (everything else comes from recipe.py inside the bundle): each knob
+    checked against the others as the job's own preflight will, and written as the job reads it (flags as 1/0)."""
     job = {"ADAPTER_REPO": adapter_repo}
     if mode == "train":
         job["MAX_STEPS"] = str(recipe.knob("MAX_STEPS", env, args.max_steps))
         if int(job["MAX_STEPS"]) <= recipe.SMOKE_STEPS:  # smoke-sized: no 250-task final eval unless asked for
-            job["FINAL_EVAL"] = "0"  # a given FINAL_EVAL (passed_knobs) overrides it; notes() says so
+            job["FINAL_EVAL"] = "0"  # a given FINAL_EVAL overrides it; notes() says so
     elif mode == "smoke":  # run_job.sh refuses any other numbers: they are the ones the smoke plan budgets
         p = smoke_report.plan(smoke_steps(args, env))
         job.update(MODE="smoke", MAX_STEPS=str(p["steps"]), SAVE_STEPS=str(p["save_steps"]),
@@ -282,13 +247,18 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
     job["REPORT_TO"] = args.report_to
     if args.dashboard_space != recipe.DASHBOARD_SPACE:
         job["DASHBOARD_SPACE"] = args.dashboard_space
-    return {**job, **passed_knobs(mode, args, env)}
+    for name in JOB_KNOBS[mode]:
+        given = getattr(args, name.lower())
+        if raw := str(given if given is not None else env.get(name, "")).strip():
+            job[name] = raw
+    return {name: recipe.shell_value(recipe.knob(name, job)) if name in recipe.KNOBS else value
+            for name, value in job.items()}
 
 
 def smoke_steps(args: argparse.Namespace, env: dict[str, str]) -> int:
     """The smoke's MAX_STEPS (flag, else environment, else the recipe's SMOKE_STEPS): fewer may be asked for."""
     raw = str(args.max_steps if args.max_steps is not None else env.get("MAX_STEPS", "")).strip()
-    return smoke_report.checked_steps(recipe.whole_number(raw, "MAX_STEPS") if raw else recipe.SMOKE_STEPS)
+    return smoke_report.checked_steps(recipe.knob("MAX_STEPS", value=raw) if raw else recipe.SMOKE_STEPS)
 
 
 def notes(mode: str, job: dict[str, str], args: argparse.Namespace, asked_repo: str) -> list[str]:
@@ -457,7 +427,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
         for name in JOB_KNOBS[mode]:
             sub_parser.add_argument(f"--{name.lower().replace('_', '-')}", dest=name.lower(),
                                     help=f"passed to the job as {name} (env {name}; unset: the job's default, "
-                                         f"{recipe.shell_value(recipe.ENV_KNOBS[name][0])})")
+                                         f"{recipe.shell_value(recipe.KNOBS[name].default)})")
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would answer with the top-level usage; the subcommand's lists the flags that exist
         dict(zip(MODES, (train, smoke, watch, evaluate), strict=True))[args.mode].error(
@@ -481,19 +451,13 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         adapter_repo = suffixed_repo(adapter_repo, SMOKE_SUFFIX, "the smoke run pushes to")
     elif mode == "train" and (steps := recipe.knob("MAX_STEPS", env, args.max_steps)) < recipe.MAX_STEPS:
         adapter_repo = suffixed_repo(adapter_repo, f"-{steps}steps", f"a {steps}-step run pushes to")
-    check_bundle_dir(bundle)
-    check_task_lists(bundle)
-    files = bundle_files(bundle)
-    check_bundle(bundle, mode, files)
+    files = check_bundle(bundle, mode)
     sandbox = recipe.knob("SANDBOX", env, args.sandbox)
-    recipe.knob("REPORT_TO", env, args.report_to)
-    recipe.knob("DASHBOARD_SPACE", env, args.dashboard_space)
     if env.get("MODEL", "").strip() not in ("", recipe.BASE_MODEL):  # read by train_lora.py and serve_policy.sh alone
         raise recipe.ConfigError(f"MODEL={env['MODEL'].strip()!r} is not passed to the job: the recipe trains "
                                  f"{recipe.BASE_MODEL} (its LoRA targets, chat template, tool parser and pinned "
                                  "revision are that model's); unset MODEL")
     job_vars = job_env(mode, adapter_repo, args, env)
-    recipe.check_together(job_vars, job_vars)  # what the job's own preflight would refuse, refused here
     secrets = {"HF_TOKEN": token}
     if sandbox != recipe.SANDBOX:  # the backend's key rides as a secret; the job installs its extra
         secrets |= recipe.sandbox_keys(sandbox, env)

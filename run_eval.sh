@@ -17,6 +17,7 @@
 #   N_TASKS=<EVAL_WATCH_TASKS>   watch mode: size of the fixed test subset.
 #   MAX_IDLE_HOURS=<MAX_IDLE_HOURS>  watch mode: stop after this long without a new checkpoint.
 #   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).  REPORT_TO=<REPORT_TO>
+#   DASHBOARD_SPACE=<DASHBOARD_SPACE>   the Trackio Space: a name, owner/name, or local (no Space).
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host (sandboxes reach the capture proxy there).
 #   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>   rollouts in flight.
 #   GPU=<EVAL_GPU>           GPU for vLLM.   READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).

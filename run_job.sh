@@ -13,6 +13,7 @@
 #   RESUME=1  WEIGHT_SYNC=merge_free  LEARNING_RATE=<LEARNING_RATE>  MAX_STALENESS=<MAX_STALENESS>   passed to
 #                            train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
 #   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).  REPORT_TO=<REPORT_TO>
+#   DASHBOARD_SPACE=<DASHBOARD_SPACE>   the Trackio Space: a name, owner/name, or local (no Space).
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
 #   WORK_DIR=/tmp/lfm-job    tasks, trainer output and recipe.py's work-folder files: heartbeat, train_log.json,
 #                            rollouts.json (a later trainer start keeps the earlier one's as rollouts.start-N.json).

@@ -302,6 +302,18 @@ def test_unset_or_empty_knob_is_the_recipe_default() -> None:
     assert recipe.knob("MAX_STEPS", {"MAX_STEPS": "9"}, value="12") == 12  # a flag wins over the environment
 
 
+def test_the_watchdog_checks_at_least_as_often_as_a_short_stall_limit() -> None:
+    """An unset WATCH_INTERVAL follows a STALL_SECONDS under its own default (a stall is seen within the limit), as
+    the shell scripts read it too; a given one longer than the limit is refused."""
+    assert recipe.knob("WATCH_INTERVAL", {"STALL_SECONDS": "10"}) == 10
+    assert recipe.knob("WATCH_INTERVAL", {}) == recipe.WATCH_INTERVAL_S
+    out = subprocess.run([sys.executable, "recipe.py", "--env", "STALL_SECONDS", "WATCH_INTERVAL"], cwd=ROOT,
+                         env={"PATH": "/usr/bin:/bin", "STALL_SECONDS": "10"}, capture_output=True, text=True)
+    assert out.stdout.splitlines() == ["STALL_SECONDS=10", "WATCH_INTERVAL=10"], out.stderr
+    with pytest.raises(recipe.ConfigError, match="^WATCH_INTERVAL=11 is out of range: use at most 10 "):
+        recipe.knob("WATCH_INTERVAL", {"STALL_SECONDS": "10", "WATCH_INTERVAL": "11"})
+
+
 def test_recipe_env_cli_prints_checked_knobs_for_shell_scripts() -> None:
     env = {"PATH": "/usr/bin:/bin", "DRY_RUN": "Yes", "MAX_IDLE_HOURS": "6.0", "N_TASKS": " 40 "}
     out = subprocess.run([sys.executable, "recipe.py", "--env", "DRY_RUN", "MAX_IDLE_HOURS", "N_TASKS", "RESUME"],
@@ -315,20 +327,19 @@ def test_recipe_env_cli_prints_checked_knobs_for_shell_scripts() -> None:
 
 # Knobs each fine alone that fail together (issue 26): refused by `recipe.py --env` (the job scripts' preflight) in one
 # line, before any GPU time.
-SAME_PORT = "give vLLM, the env server and the public gateway a port each"
+SAME_PORT = "give each of POLICY_PORT, ENV_PORT, PUBLIC_PORT its own"
+SAVES = "a checkpoint before MAX_STEPS, and at most 20 in a run: each is a ~0.5 GB push and an eval by the watcher"
+WATCH = "the watchdog sees a stall or a dead server only at its checks"
 TOGETHER = {
     "save after the last step": (
-        {"MAX_STEPS": "50", "SAVE_STEPS": "100"},
-        "SAVE_STEPS=100 is more than MAX_STEPS=50: the run would push no checkpoint before its end (nothing to resume "
-        "or watch); use SAVE_STEPS=50 or less"),
+        {"MAX_STEPS": "50", "SAVE_STEPS": "100"}, f"SAVE_STEPS=100 is out of range: use 3..50 ({SAVES})"),
+    "a checkpoint every step": ({"SAVE_STEPS": "1"}, f"SAVE_STEPS=1 is out of range: use 50..1000 ({SAVES})"),
     "watchdog never looks": (
         {"WATCH_INTERVAL": "86400"},
-        "WATCH_INTERVAL=86400 is too long: the watchdog sees a stall or a dead server only at its checks; use at most "
-        f"{recipe.WATCH_INTERVAL_MAX_S} (seconds)"),
+        f"WATCH_INTERVAL=86400 is out of range: use at most {recipe.WATCH_INTERVAL_MAX_S} ({WATCH})"),
     "watchdog slower than the stall limit": (
         {"WATCH_INTERVAL": "120", "STALL_SECONDS": "60"},
-        "WATCH_INTERVAL=120 is too long: the watchdog sees a stall or a dead server only at its checks; use at most 60 "
-        "(seconds)"),
+        f"WATCH_INTERVAL=120 is out of range: use at most 60 ({WATCH})"),
     "two stall limits": (
         {"STALL_SECONDS": "60", "STALL_MINUTES": "40"},
         "STALL_SECONDS=60 and STALL_MINUTES=40 are both set, and STALL_SECONDS would win: set only one"),
@@ -336,6 +347,8 @@ TOGETHER = {
         {"POLICY_PORT": str(recipe.ENV_PORT)}, f"POLICY_PORT and ENV_PORT are both {recipe.ENV_PORT}: {SAME_PORT}"),
     "policy port is the public port": (
         {"POLICY_PORT": "9000", "PUBLIC_PORT": "9000"}, f"POLICY_PORT and PUBLIC_PORT are both 9000: {SAME_PORT}"),
+    "public port is the default env port": (
+        {"PUBLIC_PORT": str(recipe.ENV_PORT)}, f"PUBLIC_PORT and ENV_PORT are both {recipe.ENV_PORT}: {SAME_PORT}"),
     "space host with a path": (
         {"SPACE_HOST": "https://abc--8000.hf.jobs/capture"},
         "SPACE_HOST='https://abc--8000.hf.jobs/capture' is not a host name: use the job's public host, e.g. "

@@ -366,7 +366,7 @@ PREFLIGHT = {
     "e2b without its key": ("eval-watch", _env(SANDBOX="e2b", DAYTONA_API_KEY=SANDBOX_CANARY),
                             "SANDBOX=e2b needs E2B_API_KEY: set it"),
     "save steps past max steps": ("train", _env(MAX_STEPS="50", SAVE_STEPS="100"),
-                                  "SAVE_STEPS=100 is more than MAX_STEPS=50: the run would push no checkpoint"),
+                                  "SAVE_STEPS=100 is out of range: use 3..50 (a checkpoint before MAX_STEPS"),
     "eval concurrency past env sessions": ("eval", _env(EVAL_CONCURRENCY="65"),
                                            "EVAL_CONCURRENCY=65 is out of range: use 1..64"),
     "bundle dir missing": ("train", lambda b, e: shutil.rmtree(b), "is not a folder: point --bundle-dir"),
@@ -383,7 +383,7 @@ PREFLIGHT = {
     # Issue 43 (13): each of these was accepted without a word.
     "space a/b/c": ("train", _env(DASHBOARD_SPACE="a/b/c"), "DASHBOARD_SPACE='a/b/c' is not a Space name"),
     "model not passed": ("train", _env(MODEL="Qwen/Qwen3-4B"), "MODEL='Qwen/Qwen3-4B' is not passed to the job"),
-    "a checkpoint every step": ("train", _env(SAVE_STEPS="1"), "SAVE_STEPS=1 would push 1000 checkpoints"),
+    "a checkpoint every step": ("train", _env(SAVE_STEPS="1"), "SAVE_STEPS=1 is out of range: use 50..1000"),
     "stall under a call limit": ("train", _env(STALL_MINUTES="5"), "STALL_MINUTES=5 is out of range: use 30..4320"),
     "stall past the cap": ("smoke", _env(STALL_MINUTES="1e308"), "STALL_MINUTES=1e+308 is out of range: use 30..4320"),
     "idle past the cap": ("eval-watch", _env(MAX_IDLE_HOURS="1e308"), "MAX_IDLE_HOURS=1e+308 is out of range"),
@@ -630,6 +630,13 @@ def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
     rc, out, err = run_main(capsys, ["eval", "--dry-run", "--bundle-dir", str(bundle), "--eval-concurrency", "4"], env)
     assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final",
                                                          "EVAL_CONCURRENCY": "4", "REPORT_TO": "trackio"}
+
+
+def test_save_steps_is_checked_against_the_max_steps_the_job_gets(capsys, bundle):
+    """The job checks SAVE_STEPS against its own MAX_STEPS: here the flag's, not the environment's."""
+    argv = ["train", "--dry-run", "--bundle-dir", str(bundle), "--max-steps", "50"]
+    rc, out, err = run_main(capsys, argv, base_env(SAVE_STEPS="60", MAX_STEPS="1000"))
+    assert rc == 2 and out == "" and err.startswith("launch.py: SAVE_STEPS=60 is out of range: use 3..50 (")
 
 
 def test_a_shorter_smoke_may_be_asked_for_and_a_longer_one_is_refused(capsys, bundle):

@@ -355,7 +355,8 @@ def test_each_later_trainer_start_keeps_the_last_ledger_aside_under_the_next_num
     (tmp_path / "rollouts.start-x.json").write_text("{}")  # not a start's ledger: never counted
     kept = recipe.kept_ledgers(tmp_path)
     assert [json.loads(p.read_text())["start"] for p in kept] == list(range(1, 12))
-    assert recipe.next_kept_ledger(tmp_path) == tmp_path / "rollouts.start-12.json"
+    (tmp_path / recipe.LEDGER_NAME).write_text("{}")
+    assert recipe.keep_ledger_aside(tmp_path) == tmp_path / "rollouts.start-12.json"
 
 
 def test_clear_empties_only_a_smoke_repo(hub, tmp_path):
