@@ -258,18 +258,17 @@ def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, co
     """Run every job whose cell is not final, at most `concurrency` at once, an unscorable one again at the queue's end
     until final, recording each attempt. After EVAL_ABORT_STREAK unscorable cells in a row it stops with
     InfrastructureDown (recorded cells stay), leaving no queued rollout to run."""
-    queue = deque(pending_jobs(jobs, results))
+    queue, concurrency = deque(pending_jobs(jobs, results)), max(1, concurrency)
     running: dict[Future[dict[str, Any]], Job] = {}
     streak = 0
-    with ThreadPoolExecutor(max_workers=max(1, concurrency)) as pool:
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
         while queue or running:
-            while queue and len(running) < max(1, concurrency):
+            while queue and len(running) < concurrency:
                 job = queue.popleft()
                 running[pool.submit(run_cell, factory, int(job[2]["index"]), job[1])] = job
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                job = running.pop(future)
-                side, _, task = job
+                side, _, task = job = running.pop(future)
                 previous = results.cells().get((side, int(task["index"])))
                 cell = {"side": side, "task_index": int(task["index"]), "task_name": task.get("task_name", ""),
                         "weights": (results.doc.get("weights") or {}).get(side, ""),
@@ -284,7 +283,6 @@ def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, co
                         "server or the sandboxes are failing; fix them and rerun: finished cells are kept")
                 if not is_final(cell):
                     queue.append(job)
-
 
 
 def rewards(cells: Iterable[dict[str, Any]], side: str) -> dict[str, float | None]:

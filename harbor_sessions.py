@@ -141,6 +141,8 @@ class HarborRolloutSession(ResourceSession):
 class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
     """Training sessions for the tasks of one env-server split; also the task list (`tasks`, `prompt_rows`)."""
 
+    _lock = threading.Lock()  # the class's, not an instance's: TRL pickles the factory into its spawned child
+
     def __init__(self, env_url: str, *, split: str = "", llm_url: str = "", model: str = "", harness: str = "opencode",
                  sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = 0.0, agent_step_limit: int = 0,
                  sampling: dict[str, Any] | None = None) -> None:
@@ -150,13 +152,6 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
         self.sampling = sampling
         self._tasks: list[dict[str, Any]] = []
         self._by_key: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
 
     def tasks(self) -> list[dict[str, Any]]:
         """[{index, task_name, instruction}] of the split (choose_split), fetched once, under a lock: TRL's pool threads
