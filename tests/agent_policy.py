@@ -57,8 +57,8 @@ ANSWERS = {"4.2": 0.33, "4.0": 0.15, "4.4": 0.15, "8.4": 0.15, "2.1": 0.12, "7.5
 FINAL = "Done."
 TITLE = "Mean of column x"
 VOCAB = 4096
-# The model: hidden 128 in 2 heads of 64 (vLLM's CPU attention refuses head_dim 16), one KV head; conv_dim and
-# block_dim are written into config.json too (vLLM's lfm2.py reads them; transformers 5.17's Lfm2Config does not).
+# The model: hidden 128 in 2 heads of 64 (vLLM's CPU attention refuses head_dim 16), one KV head (tiny_config writes
+# the conv_dim and block_dim vLLM's lfm2.py reads).
 MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
          "max_position_embeddings": 32768}
 STEPS, LR, SEED = 240, 3e-3, 0
@@ -222,7 +222,6 @@ def build(out: Path, *, steps: int = STEPS, log: Any = SAY) -> dict[str, Any]:
     model.eval()
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
-    config.conv_dim = config.block_dim = config.hidden_size  # what vLLM's lfm2.py reads
     model.save_pretrained(out)
     tokenizer.save_pretrained(out)
     report = {"stamp": stamp(), "steps": steps, "build_s": round(time.monotonic() - began, 1),

@@ -42,11 +42,11 @@ if str(SITE) not in os.environ.get("PYTHONPATH", "").split(os.pathsep):  # xdist
 # Measured with benchmarks/suite_time.py on a 2-core machine (longest first, so no worker starts a long one near the
 # end); the rest keep their collection order after these. run_job.sh's tests are three modules: as one (286 s, mostly
 # waiting on the script's polls) it was the last module running, alone, for the suite's last two minutes.
-SLOWEST_FIRST = ("test_rehearsal_chain", "test_rehearsal", "test_chain", "test_chain_backends",
-                 "test_run_job_preflight", "test_run_job", "test_eval_adapter", "test_run_job_smoke",
-                 "test_benchmark_tiny", "test_train_lora", "test_servers", "test_eval_watch", "test_chat_template",
-                 "test_vllm_cpu", "test_launch", "test_sandbox_lifecycle", "test_benchmark_pipeline",
-                 "test_train_weight_sync")
+SLOWEST_FIRST = ("test_rehearsal_chain", "test_rehearsal", "test_chain", "test_eval_watch_engine",
+                 "test_chain_backends", "test_run_job_preflight", "test_run_job", "test_eval_adapter",
+                 "test_run_job_smoke", "test_benchmark_tiny", "test_train_lora", "test_servers", "test_eval_watch",
+                 "test_chat_template", "test_vllm_cpu", "test_agent_policy", "test_launch",
+                 "test_sandbox_lifecycle", "test_benchmark_pipeline", "test_train_weight_sync")
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

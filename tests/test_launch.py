@@ -784,7 +784,7 @@ def test_every_dry_run_says_what_the_job_costs_with_sources_and_how_to_stop_it(c
 
 # --- issue 43, items 7 and 12: the recipe's own upload, and dry runs from a checkout ----------------------------------
 RECIPE_UPLOAD = ["*.py", "*.sh", "*.md", "data/*.json"]  # the recipe's `hf upload . --include ...`, as written
-DOT_FOLDERS = (".venv", ".vllm", ".opencode", ".chain-image")
+DOT_FOLDERS = (".venv", ".vllm", ".vllm-cpu", ".opencode", ".chain-image")
 
 
 def set_up_checkout(tmp_path: Path) -> Path:

@@ -1,11 +1,15 @@
-"""The rehearsal (issue 9): train_lora.train() on CPU, end to end through the real capture proxy.
+"""The rehearsal (issue 9): train_lora.train() on CPU, end to end through the real capture proxy, sampling from vLLM's
+own engine (tests/engine), which the trainer syncs into after every step through TRL's own weight-transfer client.
 
-The stand-ins are checked first, each against the real thing that consumes it (OpenEnv's endpoint probe,
-TRL's VLLMClient, PEFT's merge, the capture proxy). Then the rehearsal itself runs twice in one workdir: with
-one rollout failure of each class injected, killed right after checkpoint-2 is pushed; then restarted, which
-must resume there and train step 3 only, and end as the smoke job does, with a go/no-go report read from what
-the two starts left. (One pair of starts covers what an uninterrupted run does too: each start goes through the
-same train_lora.train(); the README's plain `rehearse.py` differs only in being neither killed nor faulted.)
+The policy double (policy_server.py, which tests/test_chain.py still plays scripted agents with) is checked first
+against the real things that consume it (OpenEnv's endpoint probe, the tokenizer's template). One engine serves the
+module, started once, as run_job.sh keeps vLLM up across trainer restarts: the scripted agent's sessions through the
+real capture proxy; the sync check (tests/engine/sync_check.py) passing a real sync and failing one that sends nothing
+and one that sends the base; then the rehearsal itself, twice in one workdir: with one rollout failure of each class
+injected, killed right after checkpoint-2 is pushed; then restarted, which must resume there and train step 3 only,
+and end as the smoke job does, with a go/no-go report read from what the two starts left. (One pair of starts covers
+what an uninterrupted run does too: each start goes through the same train_lora.train(); the README's plain
+`rehearse.py` differs only in being neither killed nor faulted.)
 """
 
 from __future__ import annotations
@@ -17,33 +21,31 @@ import sys
 import threading
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
+import engine
 import pytest
 import torch
+from engine.sync_check import TOLERANCE
 from huggingface_hub import ModelCard
 from openenv.core.harness.capture.validate_llm import validate_llm
-from peft import PeftModel, get_peft_model
+from peft import PeftModel
 from safetensors.torch import load_file
 from tiny_lfm2 import save_tiny_model, tiny_model
 from transformers import AutoModelForCausalLM
-from trl.experimental.async_grpo.async_grpo_trainer import _iter_vllm_named_params
-from trl.experimental.async_grpo.vllm_client import VLLMClient
 
 import adapter_repo
 import dashboard
 import recipe
 import smoke_report
-import train_lora
-import train_weight_sync
+
+engine.require()
 
 REHEARSAL = Path(__file__).resolve().parent / "rehearsal"
 sys.path.insert(0, str(REHEARSAL))
 
 from policy_server import ANSWER_FILE, OldestTaskFirst, PolicyServer, Script  # noqa: E402
-from rehearse import ADAPTER_REPO, run_apart, start_capture_proxy, wait_for_proxy  # noqa: E402
+from rehearse import ADAPTER_REPO, REHEARSAL_RATIO_BAND, run_apart, start_capture_proxy, wait_for_proxy  # noqa: E402
 from sessions import ScriptedAgentSessionFactory, make_tasks  # noqa: E402
-from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 MODEL = recipe.SERVED_MODEL_NAME
 TRAIN_SAMPLING = {"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.TOP_K}
@@ -54,9 +56,26 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("tiny") / "model")
 
 
+@pytest.fixture(scope="module", autouse=True)
+def starting_engine(tmp_path_factory: pytest.TempPathFactory):
+    """vLLM in training mode (serve_policy.sh) on the rehearsal's model, in the rehearsal's workdir: started before the
+    module's first test, so the policy double's tests run while it loads."""
+    workdir = tmp_path_factory.mktemp("engine") / "rehearsal"
+    runner = engine.Engine(engine.save_engine_model(workdir / "model"), workdir / "engine")
+    runner.start(wait=False)
+    yield runner
+    runner.stop()
+
+
+@pytest.fixture()
+def vllm(starting_engine: engine.Engine) -> engine.Engine:
+    starting_engine.wait()
+    return starting_engine
+
+
 @pytest.fixture(scope="module")
 def server(model_dir: Path):
-    """The policy server as the rehearsal runs it (served in recipe.SERVE_DTYPE)."""
+    """The policy double, served in recipe.SERVE_DTYPE."""
     policy = PolicyServer(model_dir, served_name=MODEL, dtype=recipe.SERVE_DTYPE, max_model_len=recipe.MAX_MODEL_LEN)
     policy.start()
     yield policy
@@ -169,79 +188,27 @@ def test_server_refuses_truncated_sampling_and_unknown_models_as_vllm_would(serv
     assert too_long["status"] == 400 and "maximum context length" in too_long["error"]["message"]
 
 
-def test_weight_update_routes_load_the_stream_and_refuse_a_wrong_manifest(server: PolicyServer) -> None:
-    """Driven by TRL's own VLLMClient, like the production WeightTransferClient."""
-    client = VLLMClient(server.url)
-    before = server.state()
-    name = "model.layers.0.feed_forward.w1.weight"
-    new = {n: t + 0.5 if n == name else t for n, t in before.items()}
-    manifest = {"names": list(new), "dtype_names": [recipe.SERVE_DTYPE] * len(new),
-                "shapes": [list(t.shape) for t in new.values()]}
-    version = server.version
-    client.pause()
-    try:
-        client.start_weight_update()
-        for n, t in new.items():
-            server.receive(n, t)
-        client.update_weights(manifest)
-        client.finish_weight_update()
-        assert torch.equal(server.state()[name], new[name]) and server.version == version + 1
-
-        client.start_weight_update()
-        for n, t in list(before.items())[:-1]:  # one tensor short of the served model
-            server.receive(n, t)
-        short = {k: v[:-1] for k, v in manifest.items()}
-        with pytest.raises(Exception, match="missing"):
-            client.update_weights(short)
-        client.finish_weight_update()
-
-        client.start_weight_update()
-        for n, t in before.items():
-            server.receive(n, t)
-        client.update_weights(manifest)
-        client.finish_weight_update()
-    finally:
-        client.resume()
-    assert all(torch.equal(server.state()[n], t) for n, t in before.items())
+def test_sync_check_passes_a_real_sync_and_fails_one_that_sends_nothing_or_the_base(vllm, tmp_path) -> None:
+    """TRL's WeightTransferClient into the engine (vLLM's NCCL engine on gloo), three rounds, each then checked: the
+    merge-free stream passes; a round that sends nothing and one that sends the base weights fail, each by about how
+    far the trainer's policy was from what the engine was left serving."""
+    out = subprocess.run([sys.executable, str(Path(engine.__file__).parent / "sync_check.py"), "--vllm-url", vllm.url,
+                          "--model", str(vllm.model), "--json", str(tmp_path / "syncs.json")],
+                         capture_output=True, text=True, timeout=300)
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    real, nothing, base = json.loads((tmp_path / "syncs.json").read_text()).values()
+    assert real["ok"] and real["served_vs_policy"] <= TOLERANCE < real["from_base"]
+    assert not nothing["ok"] and nothing["served_vs_policy"] == pytest.approx(nothing["moved"], abs=TOLERANCE)
+    assert not base["ok"] and base["served_vs_policy"] == pytest.approx(base["from_base"], abs=TOLERANCE)
+    assert "sends nothing" in out.stdout and "FAIL" in out.stdout
 
 
-def test_sync_check_catches_unmerged_weights_and_passes_merge_free(model_dir: Path) -> None:
-    """The per-sync check compares the served weights with PEFT's own merge; it must be able to fail."""
-    policy = PolicyServer(model_dir, served_name=MODEL, dtype=recipe.SERVE_DTYPE, max_model_len=recipe.MAX_MODEL_LEN)
-    policy.start()
-    try:
-        base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        peft_model = get_peft_model(base, train_lora.lora_config())
-        with torch.no_grad():
-            for name, param in peft_model.named_parameters():
-                if "lora_B" in name:
-                    param.normal_(std=0.05)  # a trained adapter, large enough to show in bf16
-        trainer = SimpleNamespace(accelerator=SimpleNamespace(unwrap_model=lambda m: m), model=peft_model,
-                                  state=SimpleNamespace(global_step=7))
-        transfer = InProcessWeightTransfer(policy)
-        transfer.trainer = trainer
-        dtype = train_weight_sync.send_dtype()
-
-        transfer.pause()
-        transfer.send_weights(train_weight_sync.merge_free_named_tensors(peft_model, dtype))
-        transfer.resume()
-        transfer.pause()
-        unmerged = ((n, p.detach().to(dtype)) for n, p in _iter_vllm_named_params(peft_model))
-        transfer.send_weights(unmerged)
-        transfer.resume()
-    finally:
-        policy.stop()
-    good, bad = transfer.records
-    assert good.mismatched == [] and good.tensors == len(policy.params) and good.sent_dtypes == [recipe.SERVE_DTYPE]
-    assert bad.mismatched and all(".feed_forward." in n or ".self_attn." in n for n in bad.mismatched)
-    assert good.step == bad.step == 7
-
-
-def test_sessions_run_the_agent_through_the_real_capture_proxy(server: PolicyServer, tmp_path: Path) -> None:
-    proxy, url = start_capture_proxy(server.url, tmp_path / "capture.log")
+def test_sessions_run_the_agent_through_the_real_capture_proxy(vllm: engine.Engine, tmp_path: Path) -> None:
+    proxy, url = start_capture_proxy(vllm.url, tmp_path / "capture.log")
     try:
         wait_for_proxy(proxy, url, tmp_path / "capture.log")
-        factory = ScriptedAgentSessionFactory(url, llm_url=server.url, model=MODEL, sampling=TRAIN_SAMPLING,
+        factory = ScriptedAgentSessionFactory(url, llm_url=vllm.url, model=MODEL, sampling=TRAIN_SAMPLING,
                                               sandbox_root=str(tmp_path))
         rows = factory.prompt_rows()
         assert [r["prompt"][0]["content"] for r in rows] == [t["instruction"] for t in make_tasks(len(rows))]
@@ -267,8 +234,17 @@ def test_sessions_run_the_agent_through_the_real_capture_proxy(server: PolicySer
     assert not session.workdir.exists()
 
 
-def run_rehearsal(workdir: Path, *extra: str, timeout: int = 280) -> subprocess.CompletedProcess:
-    return run_apart(workdir, *extra, env={"MAX_STEPS": "3", "SAVE_STEPS": "2"}, timeout=timeout)
+def run_rehearsal(workdir: Path, vllm: engine.Engine, *extra: str, timeout: int = 280) -> subprocess.CompletedProcess:
+    return run_apart(workdir, "--vllm-url", vllm.url, *extra, env={"MAX_STEPS": "3", "SAVE_STEPS": "2"},
+                     timeout=timeout)
+
+
+def assert_checked(syncs: list[dict], steps: list[int]) -> None:
+    """Each of these syncs was checked (cold sync at a start, then one per step) and passed, and each after a step
+    could have failed: the policy had moved from the last one and from the base by more than the tolerance."""
+    assert [sync["step"] for sync in syncs] == steps
+    assert all(sync["ok"] and sync["served_vs_policy"] <= TOLERANCE for sync in syncs), syncs
+    assert all(sync["moved"] > TOLERANCE and sync["from_base"] > TOLERANCE for sync in syncs[1:]), syncs
 
 
 # What `--faults all` injects (sessions.FAULTS, one rollout each), as train_rollouts counts it: unscorable by class.
@@ -276,7 +252,7 @@ def run_rehearsal(workdir: Path, *extra: str, timeout: int = 280) -> subprocess.
 FAULT_COUNTS = {"create": 1, "rollout": 2, "capture": 1, "empty_trace": 2, "verifier": 1}
 
 
-def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_and_resumes_for_step_3(tmp_path):
+def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_and_resumes_for_step_3(vllm):
     """The README's rehearsal commands in one workdir, as a relaunched smoke job lives them.
 
     First start, with `--faults all`: the first rollouts fail once in each way a production rollout can (issue
@@ -285,18 +261,18 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     and ends as the smoke job does, with a GO read from what both starts left (their ledgers, the checkpoints
     read back, one Trackio run for steps 1-3).
     """
-    workdir = tmp_path / "rehearsal"
+    workdir = vllm.model.parent  # the engine serves its model
     repo = workdir / "hub" / ADAPTER_REPO
 
-    first = run_rehearsal(workdir, "--faults", "all", "--crash-after-checkpoint", "2")
+    first = run_rehearsal(workdir, vllm, "--faults", "all", "--crash-after-checkpoint", "2")
     assert first.returncode == -signal.SIGKILL, first.stdout[-3000:]
     report = json.loads((workdir / "report.json").read_text())
     assert report["resumed_from"] is None
     assert [row["step"] for row in report["steps"]] == [1, 2]
     assert report["heartbeats"] == [1, 2]
-    assert [sync["step"] for sync in report["syncs"]] == [0, 1, 2]  # cold sync, then one after every step
-    assert all(sync["mismatched"] == [] and sync["sent_dtypes"] == [recipe.SERVE_DTYPE] for sync in report["syncs"])
-    assert all(0.9 < row["ratio"] < 1.1 and row["loss"] is not None for row in report["steps"])
+    assert_checked(report["syncs"], [0, 1, 2])
+    low, high = REHEARSAL_RATIO_BAND
+    assert all(low < row["ratio"] < high and row["loss"] is not None for row in report["steps"])
     ledger = json.loads((workdir / recipe.LEDGER_NAME).read_text())  # the killed start's, as run_job.sh keeps it
     assert {k: n for k, n in ledger["unscorable"].items() if n} == FAULT_COUNTS, ledger
     assert ledger["timed_out"] == 1 and ledger["stopped"] is None
@@ -312,14 +288,14 @@ def test_rehearsal_survives_each_rollout_failure_is_killed_after_checkpoint_2_an
     position = json.loads((repo / "checkpoint-2" / "rollout_state.json").read_text())
     assert_relaunch_redoes_no_trained_group(position, report["trained_groups"]["2"])
 
-    second = run_rehearsal(workdir, "--smoke-report")
+    second = run_rehearsal(workdir, vllm, "--smoke-report")
     assert second.returncode == 0, second.stdout[-3000:]
     report = json.loads((workdir / "report.json").read_text())
     assert report["resumed_from"] == 2
     assert [row["step"] for row in report["steps"]] == [3] and report["heartbeats"] == [3]
-    assert [sync["step"] for sync in report["syncs"]] == [2, 3]
-    assert all(sync["mismatched"] == [] for sync in report["syncs"])
-    assert "served==merged" in second.stdout and " 3 " in second.stdout.split("served==merged", 1)[1]
+    assert_checked(report["syncs"], [2, 3])  # the resumed start's cold sync sends checkpoint-2's policy
+    table = second.stdout.split("served vs policy", 1)[1]
+    assert " 3 " in table and "ok" in table and "FAILED" not in table
     for step in (2, 3):  # every save_steps, and the last step too: nothing trained is left unpushed
         pushed = {p.name for p in (repo / f"checkpoint-{step}").iterdir()}
         assert {"adapter_model.safetensors", adapter_repo.COMPLETE_MARKER} <= pushed
@@ -370,7 +346,8 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     assert resume["consumed"] >= 2  # the first start's two trained groups at least; the position skipped them all
     training = report["training"]
     assert training["steps_done"] == 3 and training["step_s"]["max"] > 0
-    assert 0.9 < training["ratio"]["min"] <= training["ratio"]["max"] < 1.1
+    low, high = REHEARSAL_RATIO_BAND
+    assert low < training["ratio"]["min"] <= training["ratio"]["max"] < high
     assert training["sync_ms"]["median"] > 0 and training["fused_tensors"] == 0  # CPU: cuBLAS's path only
     assert [(c["step"], c["verified"]) for c in report["checkpoints"]] == [(2, True), (3, True)]
     assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
@@ -419,10 +396,11 @@ def assert_trackio_logged_three_steps(run: str, ledger: dict) -> None:
     expected = {f"train/{name}" for name in RECIPE_METRICS + TRL_METRICS} - {"train/perf/step_s"}
     assert expected <= names, sorted(expected - names)
     assert all("train/perf/step_s" in row for row in steps if row["train/global_step"] == 2)
+    low, high = REHEARSAL_RATIO_BAND
     for row in steps:
         assert row["train/ratio/sample_min"] <= row["train/ratio"] <= row["train/ratio/sample_max"]
         assert row["train/perf/weight_sync_fused_tensors"] == 0  # CPU: cuBLAS's path, no Triton kernel
-        assert row["train/lora/update_norm"] > 0 and 0.9 < row["train/ratio/token_mean"] < 1.1
+        assert row["train/lora/update_norm"] > 0 and low < row["train/ratio/token_mean"] < high
     # Every rollout of a trained group finished before its group was trained (rollout metrics are pushed
     # through a separate queue, so allow for the last group's arriving after the last log).
     assert sum(row["train/rollout/finished_total"] for row in steps) >= (len(steps) - 1) * recipe.NUM_GENERATIONS

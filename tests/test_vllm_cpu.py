@@ -97,7 +97,7 @@ def lora_request(tmp_path_factory) -> dict:
     """The tiny Lfm2ForCausalLM and three adapters train_lora.py's way (real PEFT), for vLLM's loader with
     --max-lora-rank recipe.LORA_R: the recipe's, one that also wraps conv.out_proj, one of rank 64."""
     tmp = tmp_path_factory.mktemp("lora")
-    model = save_tiny_model(tmp / "model", conv_dim=64, block_dim=64)  # vLLM's lfm2.py reads both
+    model = save_tiny_model(tmp / "model")
     adapters = [save_tiny_adapter(tmp / "recipe"),
                 save_tiny_adapter(tmp / "conv", target_modules=[*recipe.LORA_TARGET_MODULES, "out_proj"]),
                 save_tiny_adapter(tmp / "rank64", r=64, lora_alpha=128)]

@@ -85,6 +85,10 @@ def tiny_config(vocab_size: int, **overrides: object) -> Lfm2Config:
         eos_token_id=2,
     )
     kwargs.update(overrides)
+    # vLLM's Lfm2ForCausalLM reads the short conv's and the FFN block's width under their original config names, which
+    # a config built in code does not write (the real checkpoint's config.json has them).
+    kwargs.setdefault("conv_dim", kwargs["hidden_size"])
+    kwargs.setdefault("block_dim", kwargs["hidden_size"])
     return Lfm2Config(**kwargs)
 
 

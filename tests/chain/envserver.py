@@ -34,6 +34,10 @@ POLICY_MAX_MODEL_LEN = 262144
 # The chain's tiny model learns BPE merges up to this many tokens (tiny_lfm2.tiny_tokenizer): OpenCode's ~26k-byte
 # prompt becomes ~9k tokens instead of ~26k, which the trainer and the policy double pay for in every row and call.
 CHAIN_VOCAB = 4096
+# The capture proxy's cap on each model call's output (--max-output-tokens; the job's is recipe.MAX_TOKENS) where the
+# engine samples a random tiny model: it almost never samples its end-of-turn token (1 in 4,096), so uncapped every call
+# would run to recipe.MAX_TOKENS, about 40 s of CPU decoding per call. A policy that ends its turns needs no cap.
+RANDOM_MODEL_MAX_TOKENS = 48
 HEALTH_TIMEOUT_S = 180  # the server imports Harbor and openenv and loads the tasks: ~20 s idle, far more when loaded
 
 
@@ -48,22 +52,24 @@ def missing() -> str:
     return ""
 
 
-def require() -> None:
-    """At a test module's top: skip it where the chain cannot run, and fail instead under CI=true."""
+def require(what: str = "the rollout chain", lacking: str | None = None) -> None:
+    """At a test module's top: skip it where `what` cannot run (`lacking`, default missing()), and fail instead under
+    CI=true."""
     import pytest
 
-    lacking = missing()
+    lacking = missing() if lacking is None else lacking
     if lacking and os.environ.get("CI") == "true":
-        pytest.fail(f"the rollout chain cannot run: missing {lacking}", pytrace=False)
+        pytest.fail(f"{what} cannot run: missing {lacking}", pytrace=False)
     if lacking:
-        pytest.skip(f"the rollout chain needs {lacking}", allow_module_level=True)
+        pytest.skip(f"{what} needs {lacking}", allow_module_level=True)
 
 
 class EnvServer:
     """`openenv harbor serve` over `dataset` (a prepared split folder), its LLM at `llm_url`, its sandboxes'
     HF_ENDPOINT at `bucket_url`; its trials, overlays, home, log and fault table under `root`."""
 
-    def __init__(self, root: Path, dataset: Path, llm_url: str, bucket_url: str, *, public: bool = False) -> None:
+    def __init__(self, root: Path, dataset: Path, llm_url: str, bucket_url: str, *, public: bool = False,
+                 max_output_tokens: int = recipe.MAX_TOKENS) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.trials, self.sandboxes = self.root / "trials", self.root / "sandboxes"
@@ -99,7 +105,7 @@ class EnvServer:
             self.argv = [sys.executable, str(ROOT / "tests" / "chain" / "serve.py"), "serve", "--", "harbor", "serve",
                          "--llm-url", llm_url, "--model", recipe.SERVED_MODEL_NAME, "--host", "127.0.0.1",
                          "--port", str(port), "--capture-port", str(capture_port), "--expose", "direct",
-                         "--max-output-tokens", str(recipe.MAX_TOKENS), "--dataset", str(dataset)]
+                         "--max-output-tokens", str(max_output_tokens), "--dataset", str(dataset)]
         self.env["CHAIN_IMAGES"] = json.dumps({recipe.TASK_IMAGE: layers})
         self.process: subprocess.Popen | None = None
 

@@ -1,18 +1,15 @@
-"""A vLLM stand-in for the rehearsal: serves a model with transformers on the routes TRL and the capture proxy call.
+"""A vLLM stand-in that plays scripted agents: tests/test_chain.py's right, wrong and missing answers, malformed tool
+calls and tool loops, which a tiny model cannot be made to produce on demand. Everything else in the suite samples
+from vLLM's own engine (tests/engine). It answers what the capture proxy asks of
+`vllm serve ... --return-tokens-as-token-ids --logprobs-mode processed_logprobs`:
 
-vLLM cannot run on a CPU test machine. This server answers exactly what the production path asks of
-`vllm serve ... --return-tokens-as-token-ids --logprobs-mode processed_logprobs` with `VLLM_SERVER_DEV_MODE=1`:
-
-    GET  /health, /v1/models (max_model_len), /server_info (dtype, no lora_config), /get_world_size
+    GET  /health, /v1/models (max_model_len)
     POST /v1/chat/completions   prompt_token_ids, choices[0].token_ids, logprobs.content[{token: "token_id:N"}]
-    POST /pause /resume /init_weight_transfer_engine /start_weight_update /update_weights /finish_weight_update
 
 Logprobs are real: log_softmax(logits / temperature) of the served model over the full vocabulary (vLLM's
-processed logprobs), so the trainer's importance ratio and OpenEnv's logprobs-mode probe measure something.
-Weights arrive as (name, tensor) pairs through `receive` (the NCCL stand-in, see weight_transfer.py) and are
-loaded into the served parameters, cast to the served dtype as vLLM's loader does, by `/update_weights`.
+processed logprobs), so OpenEnv's logprobs-mode probe and the trainer's capture measure something.
 
-With a `Script` (the real rollout chain, tests/test_chain.py), the server is also the agent's brain: for a task the
+With a `Script`, the server is the agent's brain: for a task the
 script knows it chooses what an agent would say (a tool call that writes the answer, then a final message; or a
 wrong answer, no answer, a malformed tool call, a tool loop), renders that reply with the served tokenizer's chat
 template exactly as the next request will re-render it, and returns those tokens with the served model's real
@@ -185,7 +182,7 @@ def _for_template(message: dict[str, Any]) -> dict[str, Any]:
 
 
 class PolicyServer:
-    """One model, served on 127.0.0.1 from a background thread, paused and reloaded by the weight sync."""
+    """One model, served on 127.0.0.1 from a background thread."""
 
     def __init__(self, model_dir: str | Path, *, served_name: str, dtype: str, max_model_len: int,
                  seed: int = 0, script: Script | None = None) -> None:
@@ -194,21 +191,14 @@ class PolicyServer:
         self.max_model_len = max_model_len
         self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
         self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype)).eval()
-        self.params = dict(self.model.named_parameters())
         self.eos_ids = {self.tokenizer.eos_token_id, *self._config_eos_ids()}
         self.generator = torch.Generator().manual_seed(seed)
-        self.version = 0  # bumped by every weight update that loaded
         self.url = ""
-        self._cond = threading.Condition()
-        self._paused = False
-        self._active = 0
-        self._staged: list[tuple[str, torch.Tensor]] | None = None
         # One generation at a time, like vLLM's single engine loop; it also leaves the trainer a core.
         self._engine = OldestTaskFirst()
         # Scored prefixes (token tuple -> model cache), as vLLM's prefix cache: every OpenCode call repeats its long
-        # system prompt and the conversation so far. Only valid for the weights they were computed with.
+        # system prompt and the conversation so far (the weights never change here).
         self._prefixes: OrderedDict[tuple[int, ...], Any] = OrderedDict()
-        self._prefix_version = 0
         self._server: uvicorn.Server | None = None
         self._thread: threading.Thread | None = None
         self.app = self._build_app()
@@ -240,36 +230,6 @@ class PolicyServer:
             self._server.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout_s)
-
-    # -- weights --------------------------------------------------------------
-    def receive(self, name: str, tensor: torch.Tensor) -> None:
-        """Accept one streamed tensor (what the NCCL recv would deliver) between start/finish_weight_update."""
-        if self._staged is None:
-            raise RuntimeError("receive() outside a weight update: call /start_weight_update first")
-        self._staged.append((name, tensor.detach().to("cpu", copy=True)))
-
-    def state(self) -> dict[str, torch.Tensor]:
-        """The served weights, by the names vLLM would load them under."""
-        return {name: param.detach().clone() for name, param in self.params.items()}
-
-    def _load(self, info: dict[str, list[Any]]) -> str | None:
-        """Check the stream against the manifest and the served model, then load it; return an error or None."""
-        staged = self._staged or []
-        got = ([n for n, _ in staged], [str(t.dtype).removeprefix("torch.") for _, t in staged],
-               [list(t.shape) for _, t in staged])
-        if got != (info.get("names"), info.get("dtype_names"), info.get("shapes")):
-            return "streamed tensors do not match the update_info manifest (names, dtype_names, shapes)"
-        unknown = [n for n, _ in staged if n not in self.params]
-        missing = sorted(set(self.params) - {n for n, _ in staged})
-        if unknown or missing:
-            return f"weight names do not match the served model: unknown {unknown[:3]}, missing {missing[:3]}"
-        wrong = [n for n, t in staged if t.shape != self.params[n].shape]
-        if wrong:
-            return f"shape mismatch for {wrong[:3]}"
-        with torch.no_grad():
-            for name, tensor in staged:
-                self.params[name].copy_(tensor)  # cast to the served dtype, as vLLM's weight loader does
-        return None
 
     # -- generation -----------------------------------------------------------
     def _sampling_error(self, body: dict[str, Any]) -> str | None:
@@ -317,9 +277,6 @@ class PolicyServer:
     def _score(self, prompt_ids: list[int], ids: list[int], temperature: float) -> list[dict[str, Any]]:
         """Processed logprobs of `ids` after `prompt_ids` under the served weights: a teacher-forced pass that
         resumes from the longest cached prefix and caches the system block, the prompt and the whole sequence."""
-        if self._prefix_version != self.version:
-            self._prefixes.clear()
-            self._prefix_version = self.version
         seq = prompt_ids + ids
         start = max((k for k in self._prefixes if len(k) <= len(prompt_ids) and tuple(seq[:len(k)]) == k),
                     key=len, default=())
@@ -378,27 +335,18 @@ class PolicyServer:
             return _error(400, f"This model's maximum context length is {self.max_model_len} tokens; the prompt "
                                f"has {len(prompt_ids)} tokens and {requested} were requested.")
         temperature = 1.0 if body.get("temperature") is None else float(body["temperature"])
-        with self._cond:
-            while self._paused:
-                self._cond.wait()
-            self._active += 1
+        task = next((m["content"] for m in messages if m.get("role") == "user"), "")
+        self._engine.acquire(task, depth=len(messages))
         try:
-            task = next((m["content"] for m in messages if m.get("role") == "user"), "")
-            self._engine.acquire(task, depth=len(messages))
-            try:
-                if reply is not None:
-                    ids = scripted[:int(requested)]
-                    finish = finish if len(ids) == len(scripted) else "length"
-                    entries = self._score(prompt_ids, ids, temperature)
-                else:
-                    ids, entries, finish = self._generate(prompt_ids, int(requested), temperature,
-                                                          int(body.get("top_logprobs") or 0))
-            finally:
-                self._engine.release()
+            if reply is not None:
+                ids = scripted[:int(requested)]
+                finish = finish if len(ids) == len(scripted) else "length"
+                entries = self._score(prompt_ids, ids, temperature)
+            else:
+                ids, entries, finish = self._generate(prompt_ids, int(requested), temperature,
+                                                      int(body.get("top_logprobs") or 0))
         finally:
-            with self._cond:
-                self._active -= 1
-                self._cond.notify_all()
+            self._engine.release()
         message = {"role": "assistant", "content": self.tokenizer.decode(ids, skip_special_tokens=True)}
         if reply is not None and finish != "length":  # what vLLM's tool parser makes of the rendered call
             message = {"role": "assistant", "content": reply.get("content") or None,
@@ -431,60 +379,8 @@ class PolicyServer:
             return {"object": "list", "data": [{"id": self.served_name, "object": "model", "owned_by": "rehearsal",
                                                 "max_model_len": self.max_model_len}]}
 
-        @app.get("/server_info")
-        def server_info() -> dict[str, Any]:
-            # The fields TRL reads: the serving dtype, no LoRA (=> merged sync), one data-parallel replica.
-            model_config = {"dtype": str(self.model.dtype), "max_model_len": self.max_model_len}
-            return {"vllm_config": {"model_config": model_config, "lora_config": None,
-                                    "parallel_config": {"data_parallel_size": 1}}}
-
-        @app.get("/get_world_size")
-        def world_size() -> dict[str, int]:
-            return {"world_size": 1}
-
         @app.post("/v1/chat/completions")
         def chat(body: dict[str, Any]) -> JSONResponse:
             return self.complete(body)
-
-        @app.post("/pause")
-        def pause() -> dict[str, str]:
-            with self._cond:  # vLLM freezes in-flight requests; this server lets them finish first
-                self._paused = True
-                while self._active:
-                    self._cond.wait()
-            return {"status": "paused"}
-
-        @app.post("/resume")
-        def resume() -> dict[str, str]:
-            with self._cond:
-                self._paused = False
-                self._cond.notify_all()
-            return {"status": "resumed"}
-
-        @app.post("/init_weight_transfer_engine")
-        def init_engine(body: dict[str, Any]) -> dict[str, str]:
-            return {"status": "ok"}
-
-        @app.post("/start_weight_update")
-        def start_update(body: dict[str, Any]) -> JSONResponse:
-            if not self._paused:
-                return _error(409, "pause the server before updating weights")
-            self._staged = []
-            return JSONResponse({"status": "ok"})
-
-        @app.post("/update_weights")
-        def update(body: dict[str, Any]) -> JSONResponse:
-            if self._staged is None or not self._paused:
-                return _error(409, "no weight update in progress: call /pause and /start_weight_update first")
-            problem = self._load(body.get("update_info") or {})
-            if problem:
-                return _error(400, problem)
-            self.version += 1
-            return JSONResponse({"status": "ok", "version": self.version})
-
-        @app.post("/finish_weight_update")
-        def finish_update() -> dict[str, str]:
-            self._staged = None
-            return {"status": "ok"}
 
         return app

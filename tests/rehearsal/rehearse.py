@@ -6,29 +6,36 @@
     .venv/bin/python tests/rehearsal/rehearse.py --real-chain            # every rollout through the real chain
 
 The production code path of train_lora.py runs unchanged (settings_from_env -> train -> build_trainer, TRL's
-AsyncGRPOTrainer and HarnessRolloutWorker, the merge-free weight sync, heartbeat, checkpoint push, resume). Only
-what cannot exist on a CPU machine is substituted, each piece under tests/:
+AsyncGRPOTrainer and HarnessRolloutWorker, the merge-free weight sync, heartbeat, checkpoint push, resume), and so
+does vLLM: the policy is served by vLLM 0.31's own engine (CPU build), started by serve_policy.sh in training mode,
+and after every optimizer step the trainer syncs into it through TRL's own WeightTransferClient and vLLM's own
+receiving path. Only what cannot exist on a CPU machine is substituted, each piece under tests/:
 
     LiquidAI/LFM2.5-2.6B  -> tests/tiny_lfm2.py: a random tiny Lfm2ForCausalLM + LFM2.5 chat template, built locally
-    vLLM (GPU 1)          -> policy_server.py: transformers on 127.0.0.1, vLLM's routes, real processed logprobs
-    NCCL weight stream    -> weight_transfer.py: same names/shapes/dtypes, copied in-process, checked every sync
+                             (one attention head of 64: tests/engine.ENGINE_SHAPE says why)
+    GPU 1                 -> the CPU (tests/engine: serve_policy.sh with CPU-only environment)
+    NCCL                  -> gloo, in vLLM's NCCL weight-transfer modules (tests/engine/site/cpu_engine_plugin.py)
     env server + HF Sandbox + OpenCode -> sessions.py: scripted agent through the REAL OpenEnv capture proxy
         or, with --real-chain, the real chain as tests/test_chain.py runs it: `openenv harbor serve` (started by
         tests/chain/envserver.py) -> Harbor's Trial in the bubblewrap sandbox -> the real OpenCode -> the task's own
-        verifier, on the synthetic fixture's prepared tasks, through the factory train_lora builds from ENV_URL;
-        the policy server plays a Script (right, wrong, no answer per task) with the tiny model's tokens
+        verifier, on the synthetic fixture's prepared tasks, through the factory train_lora builds from ENV_URL
     the Hub               -> tests/hub_double.py: LocalHub in the workdir
     the dashboard Space   -> Trackio's local storage (TRACKIO_DIR), project named after the adapter repo
     GPU kernels           -> tests/trl_cpu_shims.py: sdpa attention, torch log-probs, no vLLM import check
 
-Prints a step table (reward mean, loss, importance ratio, kl by staleness, clipped and unbounded tokens, zero-contrast
-and bonus-only rows, the LoRA's update, learning rate, rollouts ended by budget, context or output cap, sync ms) and
-writes it to WORKDIR/report.json, with
-every finished rollout (train_rollouts' rollout log: task, verifier reward, outcome, Harbor trial folder and whether
-it was kept).
-Exits 1 if any sync left the server's weights different from the trainer's merged weights. With --smoke-report it
-ends as the smoke job does: smoke_report.py reads what the run left (train_log.json, rollouts.json, the checkpoints
-downloaded back from the hub double) and writes WORKDIR/smoke_report.json, pushed to the hub double; NO-GO exits 1.
+After every sync (the cold one at each start too) the engine's logprobs for a fixed token sequence must equal the
+trainer's policy's (tests/engine/sync_check.py): the step table shows that gap and how far the policy is from what a
+sync that sent nothing, or sent the base, would have left served. The learning rate is REHEARSAL_LR, not the
+recipe's: at 1e-6 a step moves no bf16 weight, and a check that cannot tell a sync from none would prove nothing.
+Prints the step table (reward mean, loss, importance ratio, kl by staleness, clipped and unbounded tokens,
+zero-contrast and bonus-only rows, the LoRA's update, learning rate, rollouts ended by budget, context or output cap,
+sync ms, the check) and writes it to WORKDIR/report.json, with every finished rollout (train_rollouts' rollout log:
+task, verifier reward, outcome, Harbor trial folder and whether it was kept). Exits 1 if any check failed.
+`--vllm-url` uses an engine that already serves WORKDIR/model (a test's, kept up across starts as run_job.sh keeps
+vLLM up across trainer restarts); without it the rehearsal starts its own and stops it at the end. With
+--smoke-report it ends as the smoke job does: smoke_report.py reads what the run left (train_log.json, rollouts.json,
+the checkpoints downloaded back from the hub double) and writes WORKDIR/smoke_report.json, pushed to the hub double;
+NO-GO exits 1.
 """
 
 from __future__ import annotations
@@ -54,19 +61,21 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE), str(HERE.parent), str(HERE.parent.parent)]
 
+import engine  # noqa: E402
+
+engine.importable()  # before TRL's weight-transfer client is imported: it imports vLLM's NCCL helpers
+
 import httpx  # noqa: E402
 from chain.bucket import Bucket  # noqa: E402
-from chain.envserver import CHAIN_VOCAB, POLICY_MAX_MODEL_LEN, EnvServer, missing  # noqa: E402
+from chain.envserver import CHAIN_VOCAB, RANDOM_MODEL_MAX_TOKENS, EnvServer, missing  # noqa: E402
+from engine.sync_check import TOLERANCE, SyncCheck  # noqa: E402
 from fake_sessions import write_task_list  # noqa: E402
 from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
-from policy_server import PolicyServer, Script  # noqa: E402
 from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from stubs.procs import free_port  # noqa: E402
-from tiny_lfm2 import save_tiny_model  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
-from weight_transfer import InProcessWeightTransfer  # noqa: E402
 
 import adapter_repo  # noqa: E402
 import recipe  # noqa: E402
@@ -80,9 +89,13 @@ PLACEHOLDER_TOKEN = "hf_rehearsal_placeholder"
 REHEARSAL_STEPS = 3
 REHEARSAL_SAVE_STEPS = 2
 REHEARSAL_TASKS = 4  # tasks the scripted sessions serve (and the list in WORKDIR/data names)
-# The tiny random model served in bf16 is not LFM2.5: its importance ratio is checked against this band, not the
-# recipe's 0.998-1.0 (tests/test_rehearsal.py asserts the same).
-REHEARSAL_RATIO_BAND = (0.9, 1.1)
+# The rehearsal's learning rate, not the recipe's 1e-6 (at which a step moves no bf16 weight, and no sync check could
+# tell a sync from none): each step moves the served policy by 2-5 times the check's tolerance (1e-3: 0.032-0.060).
+REHEARSAL_LR = 1.5e-3
+# The tiny random model served in bf16 is not LFM2.5, and REHEARSAL_LR moves it 1,500 times as far a step: a rollout
+# sampled one step before it is trained is that much further off-policy. Its per-sample importance ratio is checked
+# against this band, not the recipe's 0.998-1.0 (seen 0.957-1.089 at 1.5e-3; tests/test_rehearsal.py asserts it).
+REHEARSAL_RATIO_BAND = (0.85, 1.15)
 # Two of the smoke verdict's limits describe the production chain, not these stand-ins; every other limit is the
 # recipe's. `--faults all` fails one rollout of each kind among the first start's ~40 on purpose, a share no real smoke
 # may have (recipe.SMOKE_MAX_UNSCORABLE). And the scripted agent sends its draft back as text decoded from random
@@ -92,15 +105,11 @@ REHEARSAL_RATIO_BAND = (0.9, 1.1)
 REHEARSAL_LIMITS = {"unscorable": 0.5, "fork": 1.0}
 FAULTS_SETTLE_S = 120  # how long --crash-after-checkpoint waits for the injected faults to reach the ledger
 # --real-chain: 4 prepared train tasks (a group per step, one more in flight, one spare). Groups of 2 rollouts, one in
-# flight, not the recipe's 8 and 32: the tiny model's byte-level tokenizer makes every trained row OpenCode's whole
-# prompt in bytes, so each row costs far more than a real one on CPU, and 32 concurrent sandboxes would swamp a 2-core
-# machine; the code path is the same at any size. Each task's k-th rollout plays CHAIN_MODES[k % 4] (right, wrong,
-# no answer), so every group has reward contrast; the grader's answer (harbor_fixture) and a wrong one; the data each
-# task's healthcheck pulls from the loopback bucket.
+# flight, not the recipe's 8 and 32: every trained row is OpenCode's whole prompt (~9k tokens of the tiny tokenizer),
+# each costs far more than a real one on CPU, and 32 concurrent sandboxes would swamp a 2-core machine; the code path
+# is the same at any size. The data each task's healthcheck pulls from the loopback bucket:
 CHAIN_TASKS = {"n_medium": 2, "n_hard": 2, "n_test": 1}
 CHAIN_GROUP = 2
-CHAIN_MODES = ["right", "wrong", "none", "right"]
-CHAIN_ANSWERS = ("4.2", "7.5")
 CHAIN_TABLE = b"x\n4.0\n4.4\n"
 
 
@@ -110,13 +119,12 @@ class StepLog(TrainerCallback):
     Writing per step means a rehearsal killed on purpose still leaves the steps it ran on disk.
     """
 
-    def __init__(self, report_file: Path, heartbeat_file: Path, transfer: InProcessWeightTransfer,
-                 resumed_from: int | None) -> None:
-        self.report_file, self.heartbeat_file, self.transfer = report_file, heartbeat_file, transfer
+    def __init__(self, report_file: Path, heartbeat_file: Path, check: SyncCheck, resumed_from: int | None) -> None:
+        self.report_file, self.heartbeat_file, self.check = report_file, heartbeat_file, check
         self.resumed_from = resumed_from
         self.logs: dict[int, dict[str, Any]] = {}
         self.heartbeats: list[int] = []
-        self.trainer: Any = None  # set when train_lora builds it (transfer.on_trainer)
+        self.trainer: Any = None  # set when train_lora builds it (watch_trainer)
         self.trained: dict[int, dict[str, Any]] = {}
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
@@ -136,20 +144,23 @@ class StepLog(TrainerCallback):
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per optimizer step: reward mean, loss, importance ratio (TRL's mean, the token-weighted one), what
-        says whether it learns (train_metrics: STEP_METRICS), and the sync after it."""
-        syncs = {record.step: record for record in self.transfer.records}
+        says whether it learns (train_metrics: STEP_METRICS), and the sync after it, checked."""
+        syncs = {record.step: record for record in self.check.records}
         rows = []
         for step, logs in sorted(self.logs.items()):
             sync = syncs.get(step)
+            seconds = logs.get("perf/weight_sync_s")
             rows.append({"step": step, "reward": logs.get("reward"), "loss": logs.get("loss"),
                          "ratio": logs.get("ratio"), **{key: logs.get(key) for key in STEP_METRICS},
-                         "sync_ms": sync.ms if sync else None,
-                         "served_equals_merged": bool(sync and not sync.mismatched)})
+                         "sync_ms": None if seconds is None else seconds * 1000,
+                         "served_vs_policy": sync.served_vs_policy if sync else None,
+                         "moved": sync.moved if sync else None, "from_base": sync.from_base if sync else None,
+                         "sync_ok": bool(sync and sync.ok)})
         return rows
 
     def report(self) -> dict[str, Any]:
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
-                "syncs": [asdict(record) for record in self.transfer.records], "served_dtype": recipe.SERVE_DTYPE,
+                "syncs": [asdict(record) for record in self.check.records], "served_dtype": recipe.SERVE_DTYPE,
                 "rollouts": self.rollout_counts(), "rollout_log": self.rollout_log(), "trained_groups": self.trained}
 
     def rollout_log(self) -> list[dict[str, Any]]:
@@ -170,10 +181,11 @@ class CrashingHub(LocalHub):
     them, so that a killed run's ledger always holds every injected failure, whatever order rollouts finished in.
     """
 
-    def __init__(self, root: Path, crash_after: int, proxy: subprocess.Popen, ledger: Path, faults: int) -> None:
+    def __init__(self, root: Path, crash_after: int, proxy: subprocess.Popen, ledger: Path, faults: int,
+                 own_engine: engine.Engine | None) -> None:
         super().__init__(root)
         self.marker = f"checkpoint-{crash_after}/{adapter_repo.COMPLETE_MARKER}"
-        self.proxy, self.ledger, self.faults = proxy, ledger, faults
+        self.proxy, self.ledger, self.faults, self.own_engine = proxy, ledger, faults, own_engine
 
     def faults_counted(self) -> bool:
         counts = train_rollouts.read_ledger(self.ledger)
@@ -189,12 +201,28 @@ class CrashingHub(LocalHub):
             for child in multiprocessing.active_children():
                 os.kill(child.pid, signal.SIGKILL)
             os.kill(self.proxy.pid, signal.SIGKILL)
+            if self.own_engine is not None:  # an engine a test started (--vllm-url) outlives the crash, as in a job
+                self.own_engine.stop()
             os.kill(os.getpid(), signal.SIGKILL)
         return info
 
 
+def watch_trainer(log: StepLog, check: SyncCheck) -> None:
+    """Attach the step log and the sync check to the trainer train_lora builds (its build_trainer, wrapped here)."""
+    build = train_lora.build_trainer
+
+    def build_and_watch(*args: Any, **kwargs: Any) -> Any:
+        trainer = build(*args, **kwargs)
+        log.trainer = trainer
+        trainer.add_callback(log)
+        check.attach(trainer)
+        return trainer
+
+    train_lora.build_trainer = build_and_watch
+
+
 def start_capture_proxy(llm_url: str, log_file: Path) -> tuple[subprocess.Popen, str]:
-    """Launch the real OpenEnv capture proxy CLI on loopback (it probes the policy server before serving)."""
+    """Launch the real OpenEnv capture proxy CLI on loopback (it probes vLLM before serving)."""
     port = free_port()
     command = [sys.executable, "-m", "openenv.core.harness.capture.server", "--llm-url", llm_url,
                "--model", recipe.SERVED_MODEL_NAME, "--host", recipe.LOOPBACK, "--port", str(port)]
@@ -204,7 +232,7 @@ def start_capture_proxy(llm_url: str, log_file: Path) -> tuple[subprocess.Popen,
 
 
 def wait_for_proxy(proxy: subprocess.Popen, url: str, log_file: Path, timeout_s: float = 180) -> None:
-    """Block until the proxy serves and has measured the policy server as trainable (`tokens`)."""
+    """Block until the proxy serves and has measured vLLM as trainable (`tokens`)."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proxy.poll() is not None:
@@ -231,7 +259,7 @@ def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: a
         "RESUME": "1", "WEIGHT_SYNC": args.weight_sync, "DEVICE": "cpu",
         # Trackio logs locally (TRACKIO_DIR, default ~/.cache/huggingface/trackio): a rehearsal never makes a Space.
         "REPORT_TO": "trackio", "DASHBOARD_SPACE": "local", "JOB_ID": os.environ.get("JOB_ID", workdir.name),
-        "TASK_DATA": task_data,
+        "TASK_DATA": task_data, "LEARNING_RATE": recipe.shell_value(REHEARSAL_LR),
     }
 
 
@@ -280,12 +308,13 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
     print(f"{'step':>4} {'reward':>7} {'loss':>9} {'ratio':>7} " + " ".join(f"{h:>{max(len(h), 7)}}"
                                                                               for h, _, _ in COLUMNS)
-          + f" {'sync ms':>8}  served==merged")
+          + f" {'sync ms':>8}  served vs policy (moved, from base): <= {TOLERANCE}")
     for row in rows:
         print(f"{row['step']:>4} {fmt(row['reward'], '.3f'):>7} {fmt(row['loss'], '.5f'):>9} "
               f"{fmt(row['ratio'], '.4f'):>7} " + " ".join(f"{fmt(row[m], spec):>{max(len(h), 7)}}"
                                                            for h, m, spec in COLUMNS)
-              + f" {fmt(row['sync_ms'], '.1f'):>8}  {row['served_equals_merged']}")
+              + f" {fmt(row['sync_ms'], '.1f'):>8}  {fmt(row['served_vs_policy'], '.4f')} "
+              f"({fmt(row['moved'], '.4f')}, {fmt(row['from_base'], '.4f')}) {'ok' if row['sync_ok'] else 'FAILED'}")
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -301,6 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help=f"fail the first rollouts, one per listed class: 'all' = {','.join(FAULTS)}")
     parser.add_argument("--smoke-report", action="store_true",
                         help="end as the smoke job does: smoke_report.json from what the run left (exit 1 on NO-GO)")
+    parser.add_argument("--vllm-url", default=None,
+                        help="an engine in training mode already serving WORKDIR/model (default: start one)")
     parser.add_argument("--real-chain", action="store_true",
                         help="every rollout through the real env server, Harbor trial, OpenCode and verifier "
                              "(needs root, bubblewrap and the image root setup.sh builds)")
@@ -310,6 +341,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                      "--smoke-report (run those with the scripted sessions)")
     if args.real_chain and missing():
         parser.error(f"--real-chain needs {missing()}")
+    if not args.vllm_url and engine.missing():
+        parser.error(f"the engine needs {engine.missing()}")
     return args
 
 
@@ -321,33 +354,35 @@ def main(argv: list[str] | None = None) -> int:
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = workdir / "model"
     if not (model_dir / "config.json").is_file():
-        save_tiny_model(model_dir, vocab_size=CHAIN_VOCAB if args.real_chain else None)
+        engine.save_engine_model(model_dir, vocab_size=CHAIN_VOCAB if args.real_chain else None)
+    own_engine = None if args.vllm_url else engine.Engine(model_dir, workdir / "engine")
+    vllm_url = args.vllm_url or own_engine.start(wait=False)
     if args.real_chain:
         tasks, task_data, names = chain_tasks(workdir)
-        server = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype=recipe.SERVE_DTYPE,
-                              max_model_len=POLICY_MAX_MODEL_LEN,
-                              script=Script(dict.fromkeys(names, CHAIN_MODES), *CHAIN_ANSWERS))
     else:
         task_data = write_task_list(workdir / "data", [task["task_name"] for task in make_tasks(REHEARSAL_TASKS)])
-        server = PolicyServer(model_dir, served_name=recipe.SERVED_MODEL_NAME, dtype=recipe.SERVE_DTYPE,
-                              max_model_len=recipe.MAX_MODEL_LEN)
-    vllm_url = server.start(recipe.LOOPBACK)
-    bucket = env_server = None
-    if args.real_chain:
-        bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": CHAIN_TABLE} for name in names})
-        env_server = EnvServer(workdir / "chain", tasks / "train", vllm_url, bucket.url)
-        # The trainer's sessions find the server's trial folders by openenv's rule, as in the job (one environment).
-        os.environ["OPENENV_HARBOR_TRIALS_DIR"] = str(env_server.trials)
-        recipe.NUM_GENERATIONS = recipe.MAX_INFLIGHT_ROLLOUTS = CHAIN_GROUP  # read when train_lora builds the trainer
-        proxy = env_server.start(wait=False)
-        env_url = env_server.url
-    else:
-        proxy, env_url = start_capture_proxy(vllm_url, workdir / "capture.log")
+    bucket = env_server = proxy = None
     try:
+        if own_engine is not None:
+            own_engine.wait()
+        else:  # a test's engine, maybe still loading
+            engine.wait_ready(vllm_url)
+        # Each server probes vLLM before it serves.
+        if args.real_chain:
+            bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": CHAIN_TABLE} for name in names})
+            env_server = EnvServer(workdir / "chain", tasks / "train", vllm_url, bucket.url,
+                                   max_output_tokens=RANDOM_MODEL_MAX_TOKENS)
+            # The trainer's sessions find the server's trial folders by openenv's rule, as in the job (one environment).
+            os.environ["OPENENV_HARBOR_TRIALS_DIR"] = str(env_server.trials)
+            recipe.NUM_GENERATIONS = recipe.MAX_INFLIGHT_ROLLOUTS = CHAIN_GROUP  # read when train_lora builds it
+            proxy = env_server.start(wait=False)
+            env_url = env_server.url
+        else:
+            proxy, env_url = start_capture_proxy(vllm_url, workdir / "capture.log")
         settings = train_lora.settings_from_env(run_env(workdir, model_dir, vllm_url, env_url, args, str(task_data)))
         faults = FAULTS if args.faults == "all" else tuple(f for f in args.faults.split(",") if f)
         ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
-        hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy, ledger, len(faults))
+        hub = (CrashingHub(workdir / "hub", args.crash_after_checkpoint, proxy, ledger, len(faults), own_engine)
                if args.crash_after_checkpoint else LocalHub(workdir / "hub"))
         resumable = (adapter_repo.complete_checkpoints(hub.list_repo_files(ADAPTER_REPO))
                      if (workdir / "hub" / ADAPTER_REPO).is_dir() else [])
@@ -358,31 +393,29 @@ def main(argv: list[str] | None = None) -> int:
             ScriptedAgentSessionFactory, env_url, llm_url=vllm_url, model=recipe.SERVED_MODEL_NAME,
             agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS, sandbox_root=str(workdir / "sandboxes"),
             faults=faults, num_tasks=REHEARSAL_TASKS)
-        transfer = InProcessWeightTransfer(server)
-        log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), transfer,
+        vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
+        check = SyncCheck(functools.partial(engine.prompt_logprobs, vllm_url), vocab)
+        log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), check,
                       resumable[-1] if resumable else None)
-        def attach(trainer: Any) -> None:
-            log.trainer = trainer
-            trainer.add_callback(log)
-
-        transfer.on_trainer = attach
+        watch_trainer(log, check)
         if env_server:
             env_server.wait()
         else:
             wait_for_proxy(proxy, env_url, workdir / "capture.log")
-        print(f"rehearse: workdir {workdir}; policy server {vllm_url}; "
+        print(f"rehearse: workdir {workdir}; vLLM {vllm_url}; "
               f"{'env server' if env_server else 'capture proxy'} {env_url} ({time.monotonic() - started:.0f} s)",
               flush=True)
         with cpu_trainer_shims():
-            train_lora.train(settings, factory=factory, weight_transfer=transfer, api=hub)
+            train_lora.train(settings, factory=factory, api=hub)  # TRL builds its own WeightTransferClient
     finally:
         if env_server:
             env_server.stop()
             bucket.stop()
-        else:
+        elif proxy is not None:
             proxy.terminate()
             proxy.wait(timeout=30)
-        server.stop()
+        if own_engine is not None:
+            own_engine.stop()
     (workdir / "report.json").write_text(json.dumps(log.report(), indent=2))
     print_table(log.rows())
     for line in log.rollout_log() if args.real_chain else []:
@@ -392,10 +425,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"rehearse: rollouts {counts.get('rollouts')} finished, {counts.get('scored')} scored "
           f"({counts.get('timed_out')} timed out), unscorable {counts.get('unscorable')}")
     print(f"rehearse: done in {time.monotonic() - started:.0f} s; report {workdir / 'report.json'}")
-    bad = [record for record in transfer.records if record.mismatched]
-    if bad:
-        print(f"rehearse: {len(bad)} sync(s) left served weights != trainer's merged weights: "
-              f"{bad[0].mismatched[:3]} (max |diff| {bad[0].max_abs_diff:g})", file=sys.stderr)
+    if check.failed():
+        first = check.failed()[0]
+        print(f"rehearse: {len(check.failed())} sync(s) left the engine serving another policy than the trainer's: "
+              f"after step {first.step}, logprobs differ by up to {first.served_vs_policy:.4f} (> {TOLERANCE})",
+              file=sys.stderr)
         return 1
     if args.smoke_report:
         stage = {"stage": "resume" if resumable else "train", "ok": True,

@@ -9,7 +9,7 @@ Here everything but the sandbox and the agent is real: each session is registere
 proxy (`POST /sessions` with the trainer's sampling policy, purpose "train"), a scripted two-call agent runs in a
 temp dir and calls `/v1/chat/completions` through the proxy the way OpenCode does (streamed, tools attached,
 session only in `x-api-key`, no `Authorization`), writes `answer.txt`, and a tiny verifier grades it. The trace
-comes from the proxy's `/sessions/{id}/trace_entries`, exactly what it captured from the policy server.
+comes from the proxy's `/sessions/{id}/trace_entries`, exactly what it captured from vLLM.
 
 The factory is rebuilt in TRL's spawned rollout process, so it holds plain data only (no clients).
 """
