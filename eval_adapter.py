@@ -1,20 +1,10 @@
-"""Held-out eval: pass@1 of the base model vs a LoRA adapter, through the training harness.
+"""Held-out eval: pass@1 of the base model vs a LoRA adapter on the test tasks, through the training harness.
 
     python3 eval_adapter.py --adapter-repo you/LFM2.5-2.6B-opencode-lora-RL --checkpoint final
 
-Every cell (one task, one side) is a rollout on the same OpenEnv Harbor env server and the same
-unmodified OpenCode harness as training, with `purpose="eval"` and an explicit `eval_sampling`
-(OpenEnv refuses eval sampling otherwise, and its `top_k` must be -1, never 0), the same agent
-budget (recipe.MAX_TOOL_CALLING_ITERATIONS) and the same output cap (recipe.MAX_TOKENS, enforced by
-the env server's capture proxy and checked here on every returned turn). One vLLM serves both sides:
-the base model under its own name and the adapter as a runtime-loaded LoRA.
-
-Results are rewritten atomically after every cell and pushed every recipe.EVAL_PUSH_EVERY cells, so
-a killed eval (or a fresh job) re-runs only cells without a result. A graded rollout counts with its grade,
-also when its agent timed out or exited non-zero (recipe.graded_reward); an unscorable cell (no grade:
-the rollout did not run, no agent turn reached the model, or the verifier wrote no reward: infrastructure, not a
-wrong answer) is kept apart and retried up to recipe.EVAL_CELL_ATTEMPTS times in all. Output: eval/final_results.json
-in the adapter repo (eval/checkpoint-N_full_results.json for a checkpoint; adapter_repo.full_results_path).
+Each cell (a task, a side) is one rollout on the training's env server and OpenCode, with the eval contract; one vLLM
+serves the base model and the adapter (runtime LoRA). Results are pushed as they come, so a killed eval resumes; the
+contract, the retry and abort rules and the results schema: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -28,16 +18,20 @@ import os
 import random
 import threading
 import time
+from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any
 
 import httpx
 
 import adapter_repo
 import dashboard
 import recipe
+
+if TYPE_CHECKING:
+    from harbor_sessions import HarborRolloutSession, HarborSessionFactory
 
 
 def served_name(checkpoint: str) -> str:
@@ -50,63 +44,35 @@ class LoraServer:
     """Loads and unloads adapters in a running vLLM (`--enable-lora`, VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)."""
 
     def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
-        self.base_url = base_url.rstrip("/")
-        self.timeout_s = timeout_s
+        self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
 
     def served(self) -> dict[str, str | None]:
         """Model ids vLLM serves now, each with its parent (None for the base model)."""
-        with self._reaching():
-            response = httpx.get(f"{self.base_url}/v1/models", timeout=self.timeout_s)
+        response = httpx.get(f"{self.base_url}/v1/models", timeout=self.timeout_s)
         response.raise_for_status()
         return {card["id"]: card.get("parent") for card in response.json()["data"]}
 
     def load(self, name: str, path: Path) -> None:
         """Hot-load the adapter in `path` as model `name`; already loaded under that name is fine."""
-        response = self._post("/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(path)})
-        if response.status_code == 200 or "has already been loaded" in _error_message(response):
-            return
-        raise RuntimeError(f"vLLM refused to load LoRA {name!r} from {path}: {_describe(response)}")
+        self._post("load", {"lora_name": name, "lora_path": str(path)}, done="has already been loaded")
 
     def unload(self, name: str) -> None:
         """Unload adapter `name`; one vLLM no longer has is already unloaded."""
-        response = self._post("/v1/unload_lora_adapter", {"lora_name": name})
-        if response.status_code == 200 or "cannot be found" in _error_message(response):
-            return
-        raise RuntimeError(f"vLLM refused to unload LoRA {name!r}: {_describe(response)}")
+        self._post("unload", {"lora_name": name}, done="cannot be found")
 
-    @contextlib.contextmanager
-    def _reaching(self) -> Iterator[None]:
-        """A vLLM that does not answer is named, with how to start it (not a bare ConnectError)."""
-        try:
-            yield
-        except httpx.TransportError as exc:
-            raise adapter_repo.Failure(
-                f"vLLM at {self.base_url} does not answer ({adapter_repo.describe(exc)}): it is not running or "
-                "still starting: start it (serve_policy.sh with LORA=1; run_eval.sh does) or fix --vllm-url/VLLM_URL"
-            ) from exc
-
-    def _post(self, path: str, body: dict[str, str]) -> httpx.Response:
-        with self._reaching():
-            response = httpx.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
-        if response.status_code in (404, 405) and not _error_message(response):
-            raise recipe.ConfigError(
-                f"vLLM at {self.base_url} has no {path}: start it with --enable-lora and "
-                "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (serve_policy.sh with LORA=1)"
-            )
-        return response
-
-
-def _error_message(response: httpx.Response) -> str:
-    """vLLM's ErrorResponse message ({"error": {"message": ...}}), or "" for any other body."""
-    try:
-        error = response.json().get("error")
-    except ValueError:
-        return ""
-    return str(error.get("message", "")) if isinstance(error, dict) else ""
-
-
-def _describe(response: httpx.Response) -> str:
-    return f"HTTP {response.status_code}: {_error_message(response) or response.text[:300]}"
+    def _post(self, verb: str, body: dict[str, str], done: str) -> None:
+        path = f"/v1/{verb}_lora_adapter"
+        response = httpx.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
+        try:  # vLLM's ErrorResponse: {"error": {"message": ...}}
+            message = str(response.json()["error"]["message"])
+        except (ValueError, KeyError, TypeError):
+            message = ""
+        if response.status_code in (404, 405) and not message:
+            raise recipe.ConfigError(f"vLLM at {self.base_url} has no {path}: start it with --enable-lora and "
+                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (serve_policy.sh with LORA=1)")
+        if response.status_code != 200 and done not in message:
+            raise RuntimeError(f"vLLM refused to {verb} LoRA {body}: HTTP {response.status_code}: "
+                               f"{message or response.text[:300]}")
 
 
 # --- Rollouts ---------------------------------------------------------------------
@@ -121,17 +87,7 @@ def eval_sampling() -> dict[str, float | int]:
         raise recipe.ConfigError(f"recipe eval sampling {policy} is refused by OpenEnv: {exc}") from None
 
 
-class Rollout(Protocol):
-    """What a session factory hands back: HarborSession's shape (run, then read `.result`)."""
-
-    result: Any
-
-    def wait_for_completion(self) -> int: ...
-
-    def close(self) -> None: ...
-
-
-SessionFactory = Callable[[int, str], Rollout]  # (task_index, served model name) -> rollout
+SessionFactory = Callable[[int, str], "HarborRolloutSession"]  # (task_index, served model name) -> rollout
 
 
 class HarborEvalFactory:
@@ -142,51 +98,25 @@ class HarborEvalFactory:
         self.sandbox = sandbox
 
     def tasks(self) -> list[dict[str, Any]]:
-        """[{index, task_name}] of the split, resolving the split name first (the server is asked to answer before
-        OpenEnv's client is imported: a missing server is then said at once, not after a 7 s import)."""
-        self.check_up()
-        from openenv.harbor.client import HarborEnv
+        """[{index, task_name}] of the split, which is resolved here (harbor_sessions.choose_split)."""
+        # Asked plainly first: OpenEnv's client, refused a connection, fails with an unrelated TypeError.
+        httpx.get(f"{self.env_url}/health", timeout=30).raise_for_status()
+        sessions = self.sessions()
+        tasks = sessions.tasks()
+        self.split = sessions.split
+        return [{"index": t["index"], "task_name": t["task_name"]} for t in tasks]
 
-        with HarborEnv(base_url=self.env_url) as env:
-            self.split = choose_split(env.splits(), self.split)
-            refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
-        return [{"index": int(ref.index), "task_name": ref.task_name} for ref in refs]
-
-    def check_up(self) -> None:
-        """The env server answers its health check: OpenEnv's client, refused a connection, fails with an
-        unrelated `TypeError` (its cleanup awaits None), so the server is asked plainly first."""
-        try:
-            httpx.get(f"{self.env_url}/health", timeout=30).raise_for_status()
-        except httpx.HTTPError as exc:
-            raise adapter_repo.Failure(
-                f"the env server at {self.env_url} does not answer its health check ({adapter_repo.describe(exc)}): "
-                "it is not running or still starting: start it (serve_env.sh; run_eval.sh does) or fix "
-                "--env-url/ENV_URL") from exc
-
-    def __call__(self, task_index: int, model: str) -> Rollout:
-        """One eval rollout through the trainer's session client (harbor_sessions.py), with the eval contract:
-        `purpose="eval"`, the explicit eval sampling, the training agent budget and timeout."""
+    def sessions(self) -> HarborSessionFactory:
+        """The trainer's session client, with the training's agent budget and timeout."""
         from harbor_sessions import HarborSessionFactory
 
-        sessions = HarborSessionFactory(self.env_url, split=self.split, llm_url=self.llm_url, sandbox=self.sandbox,
-                                        agent_timeout_sec=recipe.AGENT_TIMEOUT_SEC,
-                                        agent_step_limit=recipe.AGENT_CALL_LIMIT)
-        return sessions.eval_session(task_index, model, eval_sampling())
+        return HarborSessionFactory(self.env_url, split=self.split, llm_url=self.llm_url, sandbox=self.sandbox,
+                                    agent_timeout_sec=recipe.AGENT_TIMEOUT_SEC,
+                                    agent_step_limit=recipe.AGENT_CALL_LIMIT)
 
-
-def choose_split(splits: list[dict[str, Any]], wanted: str = "") -> str:
-    """The env server split to evaluate: the named one, the only one, or the one named like a test split."""
-    names = [str(s.get("name", "")) for s in splits]
-    if wanted:
-        if wanted not in names:
-            raise recipe.ConfigError(f"env server has no split {wanted!r}; it serves {names}: fix EVAL_SPLIT")
-        return wanted
-    if len(names) == 1:
-        return names[0]
-    tests = [n for n in names if "test" in n.lower()]
-    if len(tests) == 1:
-        return tests[0]
-    raise recipe.ConfigError(f"env server serves {names}: set EVAL_SPLIT to the held-out test split")
+    def __call__(self, task_index: int, model: str) -> HarborRolloutSession:
+        """One rollout with `purpose="eval"` and the explicit eval sampling."""
+        return self.sessions().eval_session(task_index, model, eval_sampling())
 
 
 # --- Cells -----------------------------------------------------------------------
@@ -195,28 +125,11 @@ def is_correct(reward: float) -> bool:
     return reward >= 1.0
 
 
-def submitted_max_tokens(result: Any) -> int | None:
-    """Largest output cap the proxy actually sent to vLLM in this rollout, if it reported one."""
-    caps = [t.sampling_params.get("max_tokens") for t in getattr(result, "turns", None) or []]
-    caps = [c for c in caps if isinstance(c, int)]
-    return max(caps) if caps else None
-
-
-def check_output_cap(result: Any) -> None:
-    """Refuse an eval whose output cap exceeds training's: such a mismatch collapsed a published run."""
-    cap = submitted_max_tokens(result)
-    if cap is not None and cap > recipe.MAX_TOKENS:
-        raise recipe.ConfigError(
-            f"env server sent max_tokens={cap} to vLLM, training uses {recipe.MAX_TOKENS}: "
-            f"start the env server with --max-output-tokens {recipe.MAX_TOKENS} (serve_env.sh does)"
-        )
-
-
 def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, Any]:
     """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable.
 
-    A failure of this one rollout (session create, the rollout call, the verifier) is an unscorable cell whose
-    error starts with its class (docs/training.md "Rollout failures"), never an exception that ends the eval.
+    A failure of this one rollout is an unscorable cell whose error starts with its class (docs/training.md "Rollout
+    failures"), never an exception that ends the eval; an output cap above training's is (it collapsed a published run).
     """
     start = time.monotonic()
     result, error = None, ""
@@ -232,25 +145,23 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
         finally:  # an agent that timed out raised, yet Harbor graded it: its result counts (graded_reward)
             result = getattr(session, "result", None)
             session.close()
-    check_output_cap(result)
-
+    all_turns = getattr(result, "turns", None) or []
+    cap = max([t.sampling_params.get("max_tokens") or 0 for t in all_turns], default=0)
+    if cap > recipe.MAX_TOKENS:
+        raise recipe.ConfigError(f"env server sent max_tokens={cap} to vLLM, training uses {recipe.MAX_TOKENS}: start "
+                                 f"the env server with --max-output-tokens {recipe.MAX_TOKENS} (serve_env.sh does)")
     reward = recipe.graded_reward(result)
     scored = reward is not None
-    turns = [t for t in (getattr(result, "turns", None) or []) if t.role == "agent" and not t.discarded]
+    turns = [t for t in all_turns if t.role == "agent" and not t.discarded]
     not_ok = scored and not getattr(result, "ok", False)  # graded, though the env server marked it failed
-    return {
-        "reward": reward,
-        "correct": is_correct(reward) if scored else None,
-        "unscorable": not scored,
-        "tool_calls": sum(len(t.tool_calls) for t in turns),
-        "model_calls": int(getattr(result, "n_turns", 0) or 0),
-        "error": None if scored else (error or _cell_error(session, result)),
-        "rollout_error": (str(getattr(result, "error", "") or "")[:300] or None) if not_ok else None,
-        "duration_s": round(time.monotonic() - start, 3),
-    }
+    return {"reward": reward, "correct": is_correct(reward) if scored else None, "unscorable": not scored,
+            "tool_calls": sum(len(t.tool_calls) for t in turns), "model_calls": int(getattr(result, "n_turns", 0) or 0),
+            "error": None if scored else (error or _cell_error(session, result)),
+            "rollout_error": (str(getattr(result, "error", "") or "")[:300] or None) if not_ok else None,
+            "duration_s": round(time.monotonic() - start, 3)}
 
 
-def _cell_error(session: Rollout, result: Any) -> str:
+def _cell_error(session: HarborRolloutSession | None, result: Any) -> str:
     if result is None:
         return "rollout: " + str(getattr(session, "error", "") or "rollout call failed")[:300]
     if count := recipe.upstream_errors(result):
@@ -280,13 +191,9 @@ def adapter_weights(adapter_dir: Path) -> str:
 
 def current_cells(doc: dict[str, Any]) -> list[dict[str, Any]]:
     """The cells of the weights `doc` is about (doc["weights"]: side -> identity); cells of other weights are kept in
-    the file but never counted or reused. A document without weights (written before they were recorded) is one."""
+    the file but never counted or reused."""
     weights = doc.get("weights") or {}
     return [c for c in doc.get("cells", []) if c.get("weights", "") == weights.get(c["side"], "")]
-
-
-def cell_key(cell: dict[str, Any]) -> tuple[str, int, str]:
-    return (cell["side"], int(cell["task_index"]), cell.get("weights", ""))
 
 
 def is_final(cell: dict[str, Any] | None) -> bool:
@@ -294,19 +201,15 @@ def is_final(cell: dict[str, Any] | None) -> bool:
     return cell is not None and (not cell["unscorable"] or cell["attempts"] >= recipe.EVAL_CELL_ATTEMPTS)
 
 
-def better_cell(a: dict[str, Any] | None, b: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Of two records of one cell, the one to keep: scored beats unscorable, then more attempts."""
-    if a is None or b is None:
-        return a or b
-    return max(a, b, key=lambda c: (not c["unscorable"], c["attempts"]))
-
-
 def merge_cells(*lists: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Union of cell lists, one record per (side, task, weights), sorted: never double-counts a cell."""
+    """Union of cell lists, one record per (side, task, weights), sorted: never double-counts a cell. Of two records
+    of one cell, scored beats unscorable, then more attempts."""
     merged: dict[tuple[str, int, str], dict[str, Any]] = {}
     for cells in lists:
         for cell in cells:
-            merged[cell_key(cell)] = better_cell(merged.get(cell_key(cell)), cell)
+            key = (cell["side"], int(cell["task_index"]), cell.get("weights", ""))
+            old = merged.get(key)
+            merged[key] = cell if old is None else max(old, cell, key=lambda c: (not c["unscorable"], c["attempts"]))
     return [merged[k] for k in sorted(merged)]
 
 
@@ -314,8 +217,7 @@ class ResultsFile:
     """A results document rewritten atomically after every cell (a kill leaves the last good copy)."""
 
     def __init__(self, path: Path, doc: dict[str, Any]) -> None:
-        self.path = path
-        self.doc = doc
+        self.path, self.doc = path, doc
         self.doc.setdefault("cells", [])
         self._lock = threading.Lock()
 
@@ -326,7 +228,7 @@ class ResultsFile:
     def record(self, cell: dict[str, Any]) -> None:
         with self._lock:
             self.doc["cells"] = merge_cells(self.doc["cells"], [cell])
-            write_results(self.path, self.doc)
+            self.save()
 
     def absorb(self, cells: Iterable[dict[str, Any]]) -> bytes:
         """Merge cells another writer pushed, and return the document as it is to be committed."""
@@ -334,10 +236,8 @@ class ResultsFile:
             self.doc["cells"] = merge_cells(cells, self.doc["cells"])
             return json.dumps(self.doc, indent=1, sort_keys=True).encode()
 
-
-def write_results(path: Path, doc: dict[str, Any]) -> None:
-    """A results document as the repo holds it (indented, sorted keys), written atomically."""
-    recipe.write_json(path, doc, indent=1, sort_keys=True)
+    def save(self) -> None:
+        recipe.write_json(self.path, self.doc, indent=1, sort_keys=True)
 
 
 Job = tuple[str, str, dict[str, Any]]  # (side, served model name, task {index, task_name})
@@ -347,43 +247,29 @@ class InfrastructureDown(adapter_repo.Failure):
     """Too many unscorable cells in a row: the servers, not the model, are failing."""
 
 
-def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, concurrency: int,
-              on_cell: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """Run every job whose cell is not final, retrying unscorable ones, recording each attempt.
-
-    Stops with InfrastructureDown after EVAL_ABORT_STREAK unscorable cells in a row (recorded cells stay).
-    """
-    streak = 0
-    while pending := pending_jobs(jobs, results):
-        streak = _run_round(factory, pending, results.cells(), results, max(1, concurrency), on_cell, streak)
-
-
 def pending_jobs(jobs: list[Job], results: ResultsFile) -> list[Job]:
     """The jobs whose cell is not final yet (is_final) in `results`, for these weights."""
     done = results.cells()
     return [j for j in jobs if not is_final(done.get((j[0], int(j[2]["index"]))))]
 
 
-def _run_round(factory: SessionFactory, pending: list[Job], done: dict[tuple[str, int], dict[str, Any]],
-               results: ResultsFile, concurrency: int, on_cell: Callable[[dict[str, Any]], None] | None,
-               streak: int) -> int:
-    """One attempt at each pending cell, at most `concurrency` in flight, so a stop leaves no queue to run."""
-    queue = iter(pending)
+def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, concurrency: int,
+              on_cell: Callable[[dict[str, Any]], None] | None = None) -> None:
+    """Run every job whose cell is not final, at most `concurrency` at once, an unscorable one again at the queue's end
+    until final, recording each attempt. After EVAL_ABORT_STREAK unscorable cells in a row it stops with
+    InfrastructureDown (recorded cells stay), leaving no queued rollout to run."""
+    queue, concurrency = deque(pending_jobs(jobs, results)), max(1, concurrency)
     running: dict[Future[dict[str, Any]], Job] = {}
+    streak = 0
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
-
-        def submit_next() -> None:
-            job = next(queue, None)
-            if job is not None:
+        while queue or running:
+            while queue and len(running) < concurrency:
+                job = queue.popleft()
                 running[pool.submit(run_cell, factory, int(job[2]["index"]), job[1])] = job
-
-        for _ in range(concurrency):
-            submit_next()
-        while running:
             finished, _ = wait(running, return_when=FIRST_COMPLETED)
             for future in finished:
-                side, _, task = running.pop(future)
-                previous = done.get((side, int(task["index"])))
+                side, _, task = job = running.pop(future)
+                previous = results.cells().get((side, int(task["index"])))
                 cell = {"side": side, "task_index": int(task["index"]), "task_name": task.get("task_name", ""),
                         "weights": (results.doc.get("weights") or {}).get(side, ""),
                         "attempts": (previous["attempts"] if previous else 0) + 1, **future.result()}
@@ -395,8 +281,8 @@ def _run_round(factory: SessionFactory, pending: list[Job], done: dict[tuple[str
                     raise InfrastructureDown(
                         f"{streak} eval cells in a row were unscorable (last: {cell['error']}): vLLM, the env "
                         "server or the sandboxes are failing; fix them and rerun: finished cells are kept")
-                submit_next()
-    return streak
+                if not is_final(cell):
+                    queue.append(job)
 
 
 def rewards(cells: Iterable[dict[str, Any]], side: str) -> dict[str, float | None]:
@@ -424,14 +310,9 @@ def side_stats(cells: dict[str, float | None]) -> dict[str, Any]:
     """pass@1 over scored tasks, with the counts it is made of and its own 95% interval."""
     scored = [r for r in cells.values() if r is not None]
     correct = sum(is_correct(r) for r in scored)
-    return {
-        "tasks": len(cells),
-        "scored": len(scored),
-        "correct": correct,
-        "unscorable": len(cells) - len(scored),
-        "pass_at_1": correct / len(scored) if scored else None,
-        "ci95": list(wilson_ci(correct, len(scored))) if scored else None,
-    }
+    return {"tasks": len(cells), "scored": len(scored), "correct": correct, "unscorable": len(cells) - len(scored),
+            "pass_at_1": correct / len(scored) if scored else None,
+            "ci95": list(wilson_ci(correct, len(scored))) if scored else None}
 
 
 def mcnemar_exact_p(only_base: int, only_adapter: int) -> float:
@@ -449,16 +330,13 @@ def bootstrap_ci(diffs: list[int], samples: int = recipe.BOOTSTRAP_SAMPLES, seed
     rng = random.Random(seed)
     n = len(diffs)
     means = sorted(sum(rng.choices(diffs, k=n)) / n for _ in range(samples))
-    lo = means[int((1 - level) / 2 * (samples - 1))]
-    hi = means[int((1 + level) / 2 * (samples - 1))]
-    return lo, hi
+    return means[int((1 - level) / 2 * (samples - 1))], means[int((1 + level) / 2 * (samples - 1))]
 
 
 def summarize(base: dict[str, float | None], adapter: dict[str, float | None]) -> dict[str, Any]:
     """pass@1 per side, agreement over tasks scored on both sides, and the paired difference with its CI.
 
-    `base`/`adapter` map task -> reward, None for an unscorable cell: those count as unscorable, never
-    as wrong, and leave the denominators. The difference is adapter minus base over the paired tasks.
+    `base`/`adapter` map task -> reward, None for an unscorable cell: never wrong, out of the denominators.
     """
     if not base and not adapter:
         raise ValueError("summarize: no cells on either side: run the eval first (nothing to summarize)")
@@ -469,28 +347,18 @@ def summarize(base: dict[str, float | None], adapter: dict[str, float | None]) -
         b, a = is_correct(base[task]), is_correct(adapter[task])
         agree["both" if a and b else "only_base" if b else "only_adapter" if a else "neither"] += 1
         diffs.append(int(a) - int(b))
-    difference = sum(diffs) / len(diffs) if diffs else None
-    return {
-        "base": side_stats(base),
-        "adapter": side_stats(adapter),
-        "paired": {
-            "tasks": len(paired),
-            **agree,
-            "difference": difference,
-            "ci95": list(bootstrap_ci(diffs)) if diffs else None,
-            "mcnemar_p": mcnemar_exact_p(agree["only_base"], agree["only_adapter"]),
-            "bootstrap": {"samples": recipe.BOOTSTRAP_SAMPLES, "seed": recipe.EVAL_SEED},
-        },
-    }
+    paired_stats = {"tasks": len(paired), **agree, "difference": sum(diffs) / len(diffs) if diffs else None,
+                    "ci95": list(bootstrap_ci(diffs)) if diffs else None,
+                    "mcnemar_p": mcnemar_exact_p(agree["only_base"], agree["only_adapter"]),
+                    "bootstrap": {"samples": recipe.BOOTSTRAP_SAMPLES, "seed": recipe.EVAL_SEED}}
+    return {"base": side_stats(base), "adapter": side_stats(adapter), "paired": paired_stats}
 
 
 # --- Hub ---------------------------------------------------------------------------
 def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile,
                  check: Callable[[str], None] | None = None) -> None:
-    """Push a results document, merging in cells another writer pushed meanwhile (nothing is lost).
-
-    `check(head)` may refuse the head it would commit on (raise): eval_watch's check that its smoke run is the repo's.
-    """
+    """Push a results document, merging in cells another writer pushed meanwhile (nothing is lost). `check(head)` may
+    refuse the head it would commit on (raise): eval_watch's check that its smoke run is the repo's."""
 
     def build(head: str) -> dict[str, bytes]:
         if check is not None:
@@ -502,17 +370,13 @@ def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
 
 
 def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: dict[str, Any]) -> ResultsFile:
-    """Open the local results, adopting cells (and completeness) already pushed to the repo (resume anywhere).
-
-    Cells of other weights than `doc["weights"]` are kept, never reused; the repo's completeness counts only for the
-    same weights.
-    """
+    """Open the local results, adopting cells (and completeness, for the same weights) already pushed to the repo."""
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
     remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}
     merged = merge_cells(cells, remote.get("cells", []))
     complete = bool(remote.get("complete")) and (remote.get("weights") or {}) == (doc.get("weights") or {})
     results = ResultsFile(local, {**doc, "cells": merged, "complete": complete})
-    write_results(local, results.doc)
+    results.save()
     return results
 
 
@@ -523,10 +387,9 @@ def run_and_push(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
     """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): run the cells `jobs` still lack,
     pushing every recipe.EVAL_PUSH_EVERY of them, then mark the file complete and push it.
 
-    `adapter` (vLLM, served name, folder) is hot-loaded for the run and unloaded however it ends; `finish(doc)`
-    completes the document from its cells (the full eval's summary) before it is marked complete; `check` goes to
-    every push (push_results). A file already complete with every job's cell final is left as it is: nothing is
-    loaded, nothing committed (`finish` still runs on the local copy, so the caller gets its summary).
+    `adapter` (vLLM, served name, folder) is hot-loaded for the run and unloaded however it ends; `finish(doc)` adds
+    the summary before the file is marked complete. A file already complete is left as it is: nothing loaded or
+    committed.
     """
     idle = not pending_jobs(jobs, results)
     if idle and results.doc.get("complete"):
@@ -549,7 +412,7 @@ def run_and_push(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
     if finish is not None:
         finish(results.doc)
     results.doc["complete"] = True
-    write_results(results.path, results.doc)
+    results.save()
     push_results(api, repo_id, path_in_repo, results, check)
 
 
@@ -567,21 +430,16 @@ def loaded(lora: LoraServer, name: str, path: Path) -> Iterator[None]:
 def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, tasks: list[dict[str, Any]],
              lora: LoraServer, work: Path, concurrency: int = recipe.EVAL_CONCURRENCY,
              board: dashboard.EvalDashboard | None = None) -> dict[str, Any]:
-    """Base vs `checkpoint` on `tasks`, resumable, pushed to its full-eval file; returns the document.
-
-    With `board`, the summary is also logged to the run's Trackio project, next to the training curves.
-    """
+    """Base vs `checkpoint` on `tasks`, resumable, pushed to its full-eval file (and its summary to `board`)."""
     revision = adapter_repo.head_holding(api, repo_id, checkpoint)
     adapter_dir = adapter_repo.download_adapter(api, repo_id, checkpoint, work / "adapter", revision=revision)
     path_in_repo = adapter_repo.full_results_path(checkpoint)
-    doc = {
-        "schema": 1, "kind": "full", "base_model": recipe.BASE_MODEL, "adapter_repo": repo_id,
-        "checkpoint": checkpoint, "adapter_revision": revision, "dataset": recipe.TEST_DATASET,
-        "weights": {"base": BASE_WEIGHTS, "adapter": adapter_weights(adapter_dir)},
-        "dataset_revision": recipe.TEST_REVISION, "tasks": tasks, "complete": False, "summary": None,
-        "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS,
-                     "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS},
-    }
+    doc = {"schema": 1, "kind": "full", "base_model": recipe.BASE_MODEL, "adapter_repo": repo_id,
+           "checkpoint": checkpoint, "adapter_revision": revision, "dataset": recipe.TEST_DATASET,
+           "weights": {"base": BASE_WEIGHTS, "adapter": adapter_weights(adapter_dir)},
+           "dataset_revision": recipe.TEST_REVISION, "tasks": tasks, "complete": False, "summary": None,
+           "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS,
+                        "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS}}
     results = pull_results(api, repo_id, path_in_repo, work / path_in_repo, doc)
     name = served_name(checkpoint)
     jobs = [(side, model, t) for t in tasks for side, model in (("base", recipe.SERVED_MODEL_NAME), ("adapter", name))]
@@ -630,15 +488,14 @@ def main() -> None:
                         help=f"rollouts in flight (env EVAL_CONCURRENCY, default {recipe.EVAL_CONCURRENCY})")
     args = parser.parse_args()
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
-    # Checked after parsing, by recipe.py's checks (as run_eval.sh's preflight): a bad value never breaks --help.
+    # Checked after parsing (recipe.py's checks, as run_eval.sh's preflight): a bad value never breaks --help.
     checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
     concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
     n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
     sandbox = recipe.knob("SANDBOX")
     token = recipe.require_token()
     factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
-    tasks = factory.tasks()  # before eval_sampling(): a missing env server is said before OpenEnv's import
-    eval_sampling()
+    tasks = factory.tasks()
     from huggingface_hub import HfApi
 
     api = HfApi(token=token)

@@ -2,25 +2,9 @@
 
     ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL N_TASKS=100 python3 eval_watch.py
 
-Polls ADAPTER_REPO. Each time a checkpoint-N/ is complete (train_lora's completion rule), it is
-hot-loaded into the running vLLM as a LoRA (`/v1/load_lora_adapter`, no restart), evaluated on a
-fixed N_TASKS-task subset of the test split (chosen once, deterministically, and recorded), then
-unloaded. Per checkpoint it commits eval/watch/checkpoint-N.json (eval/watch/final.json for the final
-adapter: never the full eval's eval/final_results.json), and after each one a rolling eval/summary.json and
-eval/learning_curve.png recounted from its own per-checkpoint files (adapter_repo.py owns these names).
-
-Base-model cells are computed once and stored in the repo (eval/watch/base.json), so a restarted
-watcher reuses them. Restart-safe: finished checkpoints are skipped, a half-done one resumes from its
-pushed cells, and every commit is a compare-and-swap on the repo head, so two watchers on one repo
-merge their cells instead of overwriting each other. Stops after evaluating the final adapter (repo
-root); within one poll of the run's end without one (a smoke run's report, or no training job running on the repo any
-more, through the Jobs API: a crashed or stalled job ends, its watchdog sees to a stall), after evaluating what it
-pushed; or after MAX_IDLE_HOURS without a new checkpoint.
-
-On a smoke run's repo (<ADAPTER_REPO>-smoke, emptied by every smoke run) the watcher adopts only the live run the
-repo's clear recorded (smoke_run.json: not reported yet, within the smoke job's cap), waiting for it, and starts over
-when a later run's clear replaces it; every commit it makes checks, on the head it commits on, that its run is still
-the repo's.
+Each complete checkpoint-N/ is hot-loaded into the running vLLM, evaluated on a fixed seeded subset of the test tasks
+and unloaded; eval/summary.json, eval/learning_curve.png and trajectories.html are recounted after each. All state is
+in the repo, so a restarted watcher resumes. When it stops, and the files it writes: docs/evaluation.md.
 """
 
 from __future__ import annotations
@@ -35,44 +19,11 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import adapter_repo
 import dashboard
+import eval_adapter as ea
 import recipe
 import trajectories
-from adapter_repo import (
-    CURVE_PATH,
-    FINAL,
-    SMOKE_RUN_PATH,
-    SMOKE_SUFFIX,
-    SUMMARY_PATH,
-    TRAIN_SCRIPT,
-    WATCH_BASE_PATH,
-    checkpoint_complete,
-    checkpoint_name,
-    commit_cas,
-    complete_checkpoints,
-    download_adapter,
-    live_jobs,
-    read_json,
-    run_cli,
-    watch_results_path,
-    watched_checkpoints,
-)
-from eval_adapter import (
-    BASE_WEIGHTS,
-    HarborEvalFactory,
-    LoraServer,
-    ResultsFile,
-    SessionFactory,
-    adapter_weights,
-    choose_subset,
-    current_cells,
-    eval_sampling,
-    pull_results,
-    rewards,
-    run_and_push,
-    served_name,
-    summarize,
-)
 
 logger = logging.getLogger("eval_watch")
 
@@ -81,45 +32,29 @@ CURVE_DPI = 100  # => an 800 x 450 px image
 
 
 class RunReplaced(BaseException):  # noqa: N818 - a signal, not an error
-    """The smoke run being watched was cleared by a later one: start over on that one. A BaseException, so that no
-    push retry or per-cell handler (`except Exception`) takes it for a failure."""
+    """The smoke run watched was cleared by a later one: start over on that one. A BaseException, so that no push
+    retry or per-cell handler (`except Exception`) takes it for a failure."""
 
 
 def live_run(marker: dict[str, Any] | None, now: float) -> bool:
-    """A smoke run that can still be running: recorded by its clear, not reported, and within its job's cap (a job
-    killed before its report is not)."""
+    """A smoke run that can still be running: recorded by its clear, not reported, and within its job's cap."""
     return bool(marker) and not marker.get("finished") and now < float(marker.get("expires_at", 0))
-
-
-def discover(files: list[str]) -> list[tuple[int, str]]:
-    """Complete checkpoints as (step, name), in step order; half-uploaded ones are left for a later poll."""
-    return [(step, checkpoint_name(step)) for step in complete_checkpoints(files)]
-
-
-def checkpoint_entry(name: str, step: int, doc: dict[str, Any], base: dict[str, float | None]) -> dict[str, Any]:
-    """One row of the learning curve, recounted from the checkpoint's own cells."""
-    s = summarize(base, rewards(current_cells(doc), "adapter"))
-    return {"checkpoint": name, "step": step, "complete": bool(doc.get("complete")), **s["adapter"],
-            "paired": s["paired"]}
 
 
 def build_summary(base_doc: dict[str, Any], docs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The rolling summary, recounted from the per-checkpoint files (never incremented, never double-counted)."""
-    base = rewards(current_cells(base_doc), "base")
-    rows = [checkpoint_entry(name, int(doc["step"]), doc, base) for name, doc in docs.items()]
-    rows.sort(key=lambda r: (r["checkpoint"] == FINAL, r["step"]))
-    base_stats = summarize(base, {})["base"] if base else None
-    return {
-        "schema": 1,
-        "base_model": recipe.BASE_MODEL,
-        "dataset": recipe.TEST_DATASET,
-        "dataset_revision": recipe.TEST_REVISION,
-        "subset": base_doc.get("subset", []),
-        "n_tasks": len(base_doc.get("subset", [])),
-        "base": base_stats,
-        "checkpoints": rows,
-        "final_evaluated": any(r["checkpoint"] == FINAL and r["complete"] for r in rows),
-    }
+    base = ea.rewards(ea.current_cells(base_doc), "base")
+    rows = []
+    for name, doc in docs.items():
+        s = ea.summarize(base, ea.rewards(ea.current_cells(doc), "adapter"))
+        rows.append({"checkpoint": name, "step": int(doc["step"]), "complete": bool(doc.get("complete")),
+                     **s["adapter"], "paired": s["paired"]})
+    rows.sort(key=lambda r: (r["checkpoint"] == adapter_repo.FINAL, r["step"]))
+    subset = base_doc.get("subset", [])
+    return {"schema": 1, "base_model": recipe.BASE_MODEL, "dataset": recipe.TEST_DATASET,
+            "dataset_revision": recipe.TEST_REVISION, "subset": subset, "n_tasks": len(subset),
+            "base": ea.summarize(base, {})["base"] if base else None, "checkpoints": rows,
+            "final_evaluated": any(r["checkpoint"] == adapter_repo.FINAL and r["complete"] for r in rows)}
 
 
 def learning_curve_png(summary: dict[str, Any]) -> bytes:
@@ -133,18 +68,15 @@ def learning_curve_png(summary: dict[str, Any]) -> bytes:
     try:
         rows = [r for r in summary["checkpoints"] if r["complete"] and r["pass_at_1"] is not None]
         if rows:
-            steps = [r["step"] for r in rows]
             values = [r["pass_at_1"] for r in rows]
             errors = [[v - r["ci95"][0] for v, r in zip(values, rows, strict=True)],
                       [r["ci95"][1] - v for v, r in zip(values, rows, strict=True)]]
-            ax.errorbar(steps, values, yerr=errors, marker="o", capsize=3, label="adapter pass@1")
+            ax.errorbar([r["step"] for r in rows], values, yerr=errors, marker="o", capsize=3, label="adapter pass@1")
         base = summary.get("base")
         if base and base["pass_at_1"] is not None:
             ax.axhline(base["pass_at_1"], color="grey", linestyle="--", label="base model")
             ax.axhspan(*base["ci95"], color="grey", alpha=0.15)
-        ax.set_xlabel("training step")
-        ax.set_ylabel(f"pass@1 on {summary.get('n_tasks', 0)} test tasks")
-        ax.set_ylim(0, 1)
+        ax.set(xlabel="training step", ylabel=f"pass@1 on {summary.get('n_tasks', 0)} test tasks", ylim=(0, 1))
         ax.grid(alpha=0.3)
         ax.legend(loc="best")
         buffer = io.BytesIO()
@@ -157,88 +89,80 @@ def learning_curve_png(summary: dict[str, Any]) -> bytes:
 class Watcher:
     """Evaluates each new checkpoint of `repo_id` on a fixed subset; all state lives in the repo."""
 
-    def __init__(self, api: Any, repo_id: str, factory: SessionFactory, lora: LoraServer,
+    def __init__(self, api: Any, repo_id: str, factory: ea.SessionFactory, lora: ea.LoraServer,
                  tasks: list[dict[str, Any]], work: Path, n_tasks: int = recipe.EVAL_WATCH_TASKS,
                  concurrency: int = recipe.EVAL_CONCURRENCY, poll_s: float = recipe.EVAL_POLL_SECONDS,
                  max_idle_s: float = recipe.MAX_IDLE_HOURS * 3600,
                  clock: Callable[[], float] = time.monotonic, sleep: Callable[[float], None] = time.sleep,
                  board: dashboard.EvalDashboard | None = None) -> None:
         self.api, self.repo_id, self.factory, self.lora = api, repo_id, factory, lora
-        self.tasks, self.work, self.n_tasks, self.concurrency = tasks, work, n_tasks, concurrency
-        self.poll_s, self.max_idle_s, self.clock, self.sleep = poll_s, max_idle_s, clock, sleep
-        self.board = board
+        self.tasks, self.work, self.root_work, self.n_tasks = tasks, work, work, n_tasks
+        self.concurrency, self.poll_s, self.max_idle_s = concurrency, poll_s, max_idle_s
+        self.clock, self.sleep, self.board = clock, sleep, board
         self.logged_steps: set[int] = set()
-        self.smoke = repo_id.endswith(SMOKE_SUFFIX)
+        self.smoke = repo_id.endswith(adapter_repo.SMOKE_SUFFIX)
         self.run_id: str | None = None  # the smoke run watched
-        self.root_work = work
         self.job: str | None = None  # the training job last seen running on the repo ("" once the Jobs API failed)
 
-    # -- the subset and the base cells ------------------------------------------------------
-    def subset_tasks(self) -> list[dict[str, Any]]:
-        """The recorded subset if the repo has one (a restart must not change it), else a fresh seeded one."""
-        stored = read_json(self.api, self.repo_id, WATCH_BASE_PATH) or {}
-        subset = stored.get("subset") or choose_subset(len(self.tasks), self.n_tasks)
+    def read(self, path: str, revision: str | None = None) -> dict[str, Any] | None:
+        return adapter_repo.read_json(self.api, self.repo_id, path, revision=revision)
+
+    def run_and_push(self, path_in_repo: str, doc: dict[str, Any], jobs: list[ea.Job], **adapter: Any) -> None:
+        """Evaluate the cells `jobs` still lack into `path_in_repo`, resuming from what the repo holds."""
+        results = ea.pull_results(self.api, self.repo_id, path_in_repo, self.work / path_in_repo, doc)
+        ea.run_and_push(self.api, self.repo_id, path_in_repo, results, self.factory, jobs, self.concurrency,
+                        check=self.check_run, **adapter)
+
+    def ensure_base(self) -> list[dict[str, Any]]:
+        """The subset (the one the repo records: a restart must not change it) and its base cells, computed once."""
+        stored = self.read(adapter_repo.WATCH_BASE_PATH) or {}
+        subset = stored.get("subset") or ea.choose_subset(len(self.tasks), self.n_tasks)
         if len(subset) != self.n_tasks:
-            raise recipe.ConfigError(f"{WATCH_BASE_PATH} in {self.repo_id} records {len(subset)} tasks but N_TASKS="
-                                     f"{self.n_tasks}: use N_TASKS={len(subset)} or a new adapter repo")
+            raise recipe.ConfigError(f"{adapter_repo.WATCH_BASE_PATH} in {self.repo_id} records {len(subset)} tasks "
+                                     f"but N_TASKS={self.n_tasks}: use N_TASKS={len(subset)} or a new adapter repo")
         by_index = {int(t["index"]): t for t in self.tasks}
-        return [by_index[i] for i in subset]
+        tasks = [by_index[i] for i in subset]
+        doc = {"schema": 1, "kind": "watch-base", "base_model": recipe.BASE_MODEL,
+               "weights": {"base": ea.BASE_WEIGHTS}, "subset": subset, "complete": False,
+               "sampling": {**ea.eval_sampling(), "max_tokens": recipe.MAX_TOKENS}}
+        logger.info("base model on %d tasks", len(tasks))
+        self.run_and_push(adapter_repo.WATCH_BASE_PATH, doc, [("base", recipe.SERVED_MODEL_NAME, t) for t in tasks])
+        return tasks
 
-    def _results(self, path_in_repo: str, doc: dict[str, Any]) -> ResultsFile:
-        return pull_results(self.api, self.repo_id, path_in_repo, self.work / path_in_repo, doc)
-
-    def ensure_base(self, tasks: list[dict[str, Any]]) -> None:
-        """Base-model cells on the subset, computed once and kept in the repo."""
-        doc = {"schema": 1, "kind": "watch-base", "base_model": recipe.BASE_MODEL, "weights": {"base": BASE_WEIGHTS},
-               "subset": [t["index"] for t in tasks], "complete": False,
-               "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS}}
-        results = self._results(WATCH_BASE_PATH, doc)
-        logger.info("base model on %d tasks: %s", len(tasks), "done" if results.doc.get("complete") else "evaluating")
-        run_and_push(self.api, self.repo_id, WATCH_BASE_PATH, results, self.factory,
-                     [("base", recipe.SERVED_MODEL_NAME, t) for t in tasks], self.concurrency, check=self.check_run)
-
-    # -- one checkpoint ------------------------------------------------------------------------
     def evaluate(self, name: str, step: int, revision: str, tasks: list[dict[str, Any]]) -> None:
         """Hot-load `name`, evaluate the cells its weights still lack, unload it, commit its results."""
-        path_in_repo = watch_results_path(name)
-        adapter = download_adapter(self.api, self.repo_id, name, self.work / "adapters" / name, revision=revision)
+        adapter = adapter_repo.download_adapter(self.api, self.repo_id, name, self.work / "adapters" / name,
+                                                revision=revision)
         doc = {"schema": 1, "kind": "watch", "checkpoint": name, "step": step, "adapter_revision": revision,
-               "weights": {"adapter": adapter_weights(adapter)}, "subset": [t["index"] for t in tasks],
+               "weights": {"adapter": ea.adapter_weights(adapter)}, "subset": [t["index"] for t in tasks],
                "complete": False}
-        results = self._results(path_in_repo, doc)
-        model = served_name(name)
+        model = ea.served_name(name)
         logger.info("evaluating %s (step %d) as %s", name, step, model)
-        run_and_push(self.api, self.repo_id, path_in_repo, results, self.factory,
-                     [("adapter", model, t) for t in tasks], self.concurrency, adapter=(self.lora, model, adapter),
-                     check=self.check_run)
+        self.run_and_push(adapter_repo.watch_results_path(name), doc, [("adapter", model, t) for t in tasks],
+                          adapter=(self.lora, model, adapter))
 
     def publish_summary(self) -> dict[str, Any]:
-        """Recount eval/summary.json + the curve from the repo's per-checkpoint files, and rebuild the trajectory page
-        with it, as one CAS commit."""
+        """Recount eval/summary.json and the curve from the repo's per-checkpoint files, and rebuild the trajectory
+        page with them, as one compare-and-swap commit."""
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
             self.check_run(head)
             files = self.api.list_repo_files(self.repo_id, revision=head)
-            base_doc = read_json(self.api, self.repo_id, WATCH_BASE_PATH, revision=head) or {}
-            docs = {name: read_json(self.api, self.repo_id, path, revision=head)
-                    for name, path in watched_checkpoints(files).items()}
-            out["summary"] = build_summary(base_doc, docs)
+            docs = {name: self.read(path, head) for name, path in adapter_repo.watched_checkpoints(files).items()}
+            out["summary"] = build_summary(self.read(adapter_repo.WATCH_BASE_PATH, head) or {}, docs)
             page = trajectories.repo_docs(self.api, self.repo_id, revision=head) | {"summary": out["summary"]}
-            return {SUMMARY_PATH: json.dumps(out["summary"], indent=1, sort_keys=True).encode(),
-                    CURVE_PATH: learning_curve_png(out["summary"]),
+            return {adapter_repo.SUMMARY_PATH: json.dumps(out["summary"], indent=1, sort_keys=True).encode(),
+                    adapter_repo.CURVE_PATH: learning_curve_png(out["summary"]),
                     trajectories.PAGE_PATH: trajectories.page(self.repo_id, page).encode()}
 
-        commit_cas(self.api, self.repo_id, build, "eval: summary + learning curve")
+        adapter_repo.commit_cas(self.api, self.repo_id, build, "eval: summary + learning curve")
         self.log_curve(out["summary"])
         return out["summary"]
 
     def log_curve(self, summary: dict[str, Any]) -> None:
-        """Each fully evaluated checkpoint's pass@1 with its 95% interval, and the base line, at its training step.
-
-        One point per step: the final adapter is the last checkpoint's weights, so it adds a point only when no
-        checkpoint-N had its step.
-        """
+        """Each fully evaluated checkpoint's pass@1 and the base line at its training step, once per step (the final
+        adapter has the last checkpoint's step: it adds a point only when no checkpoint-N had it)."""
         if self.board is None:
             return
         base = summary.get("base") or {}
@@ -254,20 +178,18 @@ class Watcher:
             self.board.log(point, step=row["step"])
             self.logged_steps.add(row["step"])
 
-    # -- the loop --------------------------------------------------------------------------------
     def pending(self, head: str) -> tuple[list[tuple[int, str]], bool]:
-        """Checkpoints (step, name) still to evaluate, in step order with the final adapter last; and
-        whether the final adapter's results are already complete."""
+        """Complete checkpoints (step, name) still to evaluate, in step order with the final adapter last (half-uploaded
+        ones are left for a later poll); and whether the final adapter's results are already complete."""
         files = self.api.list_repo_files(self.repo_id, revision=head)
-        found = discover(files)
-        if checkpoint_complete(files, FINAL):
-            found.append((found[-1][0] if found else 0, FINAL))
+        found = [(step, adapter_repo.checkpoint_name(step)) for step in adapter_repo.complete_checkpoints(files)]
+        if adapter_repo.checkpoint_complete(files, adapter_repo.FINAL):
+            found.append((found[-1][0] if found else 0, adapter_repo.FINAL))
         todo, final_done = [], False
         for step, name in found:
-            path = watch_results_path(name)
-            doc = read_json(self.api, self.repo_id, path, revision=head) if path in files else None
-            if doc and doc.get("complete"):
-                final_done |= name == FINAL
+            path = adapter_repo.watch_results_path(name)
+            if path in files and (self.read(path, head) or {}).get("complete"):
+                final_done |= name == adapter_repo.FINAL
             else:
                 todo.append((step, name))
         return todo, final_done
@@ -278,7 +200,7 @@ class Watcher:
         go to a folder of its own, so nothing of an earlier run is merged in."""
         since = self.clock()
         while True:
-            marker = read_json(self.api, self.repo_id, SMOKE_RUN_PATH)
+            marker = self.read(adapter_repo.SMOKE_RUN_PATH)
             if live_run(marker, time.time()):
                 self.work = self.root_work / marker["run"]
                 logger.info("watching smoke run %s of %s", marker["run"], self.repo_id)
@@ -286,14 +208,14 @@ class Watcher:
             if self.clock() - since > self.max_idle_s:
                 return None
             logger.info("no live smoke run in %s (%s): waiting for the next smoke job's clear", self.repo_id,
-                        "its last run finished or ran out of time" if marker else f"no {SMOKE_RUN_PATH} yet")
+                        "its last run finished or ran out of time" if marker else "none recorded yet")
             self.sleep(self.poll_s)
 
     def check_run(self, head: str) -> None:
         """On a smoke repo: raise RunReplaced unless the run watched is still the repo's at `head`."""
         if not self.smoke:
             return
-        run = (read_json(self.api, self.repo_id, SMOKE_RUN_PATH, revision=head) or {}).get("run")
+        run = (self.read(adapter_repo.SMOKE_RUN_PATH, head) or {}).get("run")
         if run != self.run_id:
             raise RunReplaced(f"smoke run {self.run_id} of {self.repo_id} was cleared by run {run}: starting over")
 
@@ -301,21 +223,21 @@ class Watcher:
         """Why the run watched has ended without its final adapter, or None while it may still push: its smoke report
         is in (or its job's cap has passed), or no training job runs on the repo any more after one did."""
         if self.smoke:
-            marker = read_json(self.api, self.repo_id, SMOKE_RUN_PATH) or {}
+            marker = self.read(adapter_repo.SMOKE_RUN_PATH) or {}
             if marker.get("run") == self.run_id and not live_run(marker, time.time()):
                 return f"smoke run {self.run_id} " + (
                     "finished (smoke_report.json has its verdict)" if marker.get("finished") else "ran out of time")
         if self.job == "":
             return None
         try:
-            jobs = live_jobs(self.api, self.repo_id, TRAIN_SCRIPT)
+            jobs = adapter_repo.live_jobs(self.api, self.repo_id, adapter_repo.TRAIN_SCRIPT)
             if jobs or self.job is None:  # none seen yet: it may start later (MAX_IDLE_HOURS bounds the wait)
                 self.job = jobs[0].id if jobs else None
                 return None
             status = self.api.inspect_job(job_id=self.job).status
         except Exception as error:  # noqa: BLE001 - e.g. a token without Jobs access: the idle limit still stops it
-            logger.warning("cannot read the training job's state (%s: %s): stopping only at the final adapter or "
-                           "after MAX_IDLE_HOURS", type(error).__name__, str(error)[:200])
+            logger.warning("cannot read the training job's state (%s): stopping only at the final adapter or after "
+                           "MAX_IDLE_HOURS", adapter_repo.describe(error)[:200])
             self.job = ""
             return None
         return (f"training job {self.job} ended ({status.stage}{f': {status.message}' if status.message else ''}) and "
@@ -339,8 +261,7 @@ class Watcher:
             if self.run_id is None:
                 logger.info("no smoke run for %.1f h: stopping", self.max_idle_s / 3600)
                 return "idle"
-        tasks = self.subset_tasks()
-        self.ensure_base(tasks)
+        tasks = self.ensure_base()
         last_new = self.clock()
         while True:
             ended = self.run_end()  # before the head: what the run pushed before its end is evaluated first
@@ -350,9 +271,9 @@ class Watcher:
             for step, name in todo:
                 self.evaluate(name, step, head, tasks)
                 last_new = self.clock()
-            if todo or not self.api.file_exists(self.repo_id, SUMMARY_PATH):
+            if todo or not self.api.file_exists(self.repo_id, adapter_repo.SUMMARY_PATH):
                 self.publish_summary()
-            if final_done or any(name == FINAL for _, name in todo):
+            if final_done or any(name == adapter_repo.FINAL for _, name in todo):
                 logger.info("final adapter evaluated: done")
                 return "final"
             if ended:
@@ -378,8 +299,7 @@ def wait_for_repo(api: Any, repo_id: str, max_wait_s: float, poll_s: float = rec
             if waited >= max_wait_s:
                 raise recipe.ConfigError(f"ADAPTER_REPO={repo_id} not found after {waited / 3600:.1f} h: check the "
                                          "name, and that HF_TOKEN can read it") from None
-            logger.info("%s not found (yet): waiting for the training job to create it (check the name and "
-                        "that HF_TOKEN can read it)", repo_id)
+            logger.info("%s not found (yet): waiting for the training job to create it", repo_id)
             sleep(poll_s)
             waited += poll_s
 
@@ -395,24 +315,21 @@ def main() -> None:
     parser.add_argument("--max-idle-hours", help="stop after this long without a new checkpoint (env MAX_IDLE_HOURS, "
                                                  f"default {recipe.MAX_IDLE_HOURS:g})")
     args = parser.parse_args()
-    # Checked after parsing, by recipe.py's checks (as run_eval.sh's preflight): a bad value never breaks --help.
+    # Checked after parsing (recipe.py's checks, as run_eval.sh's preflight): a bad value never breaks --help.
     n_tasks = recipe.knob("N_TASKS", value=args.n_tasks)
     max_idle_s = recipe.knob("MAX_IDLE_HOURS", value=args.max_idle_hours) * 3600
-    concurrency = recipe.knob("EVAL_CONCURRENCY")
-    sandbox = recipe.knob("SANDBOX")
+    concurrency, sandbox = recipe.knob("EVAL_CONCURRENCY"), recipe.knob("SANDBOX")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
-    token = recipe.require_token()  # before eval_sampling(): OpenEnv's import takes seconds, a missing token none
-    eval_sampling()
     from huggingface_hub import HfApi
 
-    api = HfApi(token=token)
+    api = HfApi(token=recipe.require_token())
     wait_for_repo(api, repo_id, max_idle_s)
-    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
+    factory = ea.HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
     tasks = factory.tasks()
-    choose_subset(len(tasks), n_tasks)
+    ea.choose_subset(len(tasks), n_tasks)  # a subset larger than the split is refused now, not after a wait
     board = dashboard.for_eval(repo_id, "eval-watch", os.environ)
-    watcher = Watcher(api, repo_id, factory, LoraServer(args.vllm_url), tasks, Path(args.work_dir),
+    watcher = Watcher(api, repo_id, factory, ea.LoraServer(args.vllm_url), tasks, Path(args.work_dir),
                       n_tasks=n_tasks, max_idle_s=max_idle_s, concurrency=concurrency, board=board)
     try:
         print(f"eval_watch: stopped ({watcher.run()})")
@@ -422,4 +339,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(run_cli("eval_watch", main))
+    raise SystemExit(adapter_repo.run_cli("eval_watch", main))

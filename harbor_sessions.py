@@ -1,21 +1,8 @@
 """OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client.
 
-One session is one `HarborEnv.run_rollout` call to the env server (which boots the sandbox, runs OpenCode through
-its capture proxy and grades the workspace with the task's own verifier); its `TrainingTrace` is
-`openenv.harbor.contract.to_training_trace(result)`. The sessions satisfy openenv's runtime-checkable
-`TrainableSession`, which TRL 1.15's loop-owning worker requires. The same classes run in the job and in the suite's
-real rollout chain (tests/test_chain.py), so no OpenEnv checkout is needed (OpenEnv's `envs/harbor_env` has no
-readable version with `fetch_training_trace`).
-
-    factory = HarborSessionFactory(env_url, split="...", llm_url=vllm_url, model="policy", sampling={...})
-    session = factory.create([{"role": "user", "content": instruction}])   # purpose "train"
-    session.wait_for_completion(); trace = session.fetch_training_trace(); verdict = session.verify([])
-
-Purpose rules (OpenEnv's): a factory given `sampling` (TRL adds the trainer's full-vocabulary policy) runs
-`purpose="train"` rollouts with it (sent explicitly: the env server then refuses an engine without exact token
-capture instead of returning an untrainable eval-type rollout); an eval session runs `purpose="eval"` with an
-explicit `eval_sampling` and no `sampling`. TRL rebuilds the factory in a spawned child, so a factory holds plain
-data until it is used.
+One session is one `HarborEnv.run_rollout` call to the env server (sandbox, OpenCode through the capture proxy, the
+task's verifier); the sessions are openenv `TrainableSession`s, as TRL 1.15's loop-owning worker requires. How they are
+used, and OpenEnv's purpose rules: docs/training.md "Harbor sessions".
 """
 
 from __future__ import annotations
@@ -43,21 +30,13 @@ def instruction_key(instruction: str) -> str:
     return hashlib.sha1(instruction.strip().encode()).hexdigest()
 
 
-def prompt_text(task: Any) -> str:
-    """The instruction in what TRL passes to `create()`: a message list (its last user message) or a string."""
-    if isinstance(task, list):
-        return str(task[-1]["content"])
-    if isinstance(task, dict):
-        return str(task.get("prompt", task.get("content", "")))
-    return str(task)
-
-
-def trials_dir() -> Path:
-    """Where the env server writes its Harbor trial folders (openenv's rule: OPENENV_HARBOR_TRIALS_DIR or its
-    default); the env server runs in the same container, with the same environment."""
-    from openenv.harbor.environment import _trials_dir
-
-    return _trials_dir()
+def choose_split(names: list[str], wanted: str) -> str:
+    """The env server's split to use: the named one, else its only one."""
+    if wanted in names or (not wanted and len(names) == 1):
+        return wanted or names[0]
+    what = f"has no split {wanted!r}" if wanted else "serves several splits"
+    raise recipe.ConfigError(f"the env server {what} ({names}): name the one to use (EVAL_SPLIT for the eval, "
+                             "TRAIN_SPLIT for training)")
 
 
 class HarborRolloutSession(ResourceSession):
@@ -67,8 +46,6 @@ class HarborRolloutSession(ResourceSession):
                  llm_url: str = "", model: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
                  agent_timeout_sec: float = 0.0, agent_step_limit: int = 0, purpose: str = "train",
                  sampling: dict[str, Any] | None = None, eval_sampling: dict[str, Any] | None = None) -> None:
-        if purpose == "eval" and sampling is not None:
-            raise ValueError("an eval rollout takes eval_sampling, not sampling (OpenEnv refuses both together)")
         if purpose == "train" and sampling is None:
             raise ValueError("a training rollout needs the trainer's sampling policy (TRL passes it to the factory)")
         self.env_url, self.split, self.task_index, self.task_name = env_url, split, task_index, task_name
@@ -94,12 +71,10 @@ class HarborRolloutSession(ResourceSession):
 
     # -- TrainableSession ---------------------------------------------------------------------------------------------
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        """Run the rollout: 0 when it ran and was graded, 1 when the env server reports it failed (`error` says why).
-
-        A client-side failure (the env server unreachable or restarted mid-call) raises. An agent that ran out of
-        time raises TimeoutError after the verifier graded it: TRL then trains its captured turns, flagged timed
-        out, with that reward. `timeout_s` is not used: Harbor enforces the agent timeout inside the rollout.
-        """
+        """Run the rollout: 0 when it ran and was graded, 1 when the env server reports it failed (`error` says why);
+        a client-side failure raises. An agent that ran out of time raises TimeoutError after the verifier graded it:
+        TRL then trains its captured turns, flagged timed out, with that reward. Harbor enforces the agent timeout
+        inside the rollout, so `timeout_s` is not used."""
         from openenv.harbor.client import HarborEnv
 
         # One client per rollout: its MCP socket is not shareable.
@@ -110,16 +85,16 @@ class HarborRolloutSession(ResourceSession):
                                           **{k: v for k, v in self.call.items() if v is not None})
         finally:
             env.close()
-        if not self.result.ok and self.result.exception_type in VERIFIER_FAILURE_TYPES:
+        if self.result.ok:
+            return 0
+        if self.result.exception_type in VERIFIER_FAILURE_TYPES:
             self.error = f"the verifier failed: {self.result.exception_type}: {self.result.error}"
             return 0  # the agent ran to its end; verify() says what is missing
-        if not self.result.ok and self.result.exception_type in AGENT_TIMEOUT_TYPES:
+        if self.result.exception_type in AGENT_TIMEOUT_TYPES:
             self.timed_out = True
             raise TimeoutError(f"agent timed out: {self.result.error or self.result.exception_type}")
-        if not self.result.ok:
-            self.error = str(self.result.error or "the env server reported the rollout failed")
-            return 1
-        return 0
+        self.error = str(self.result.error or "the env server reported the rollout failed")
+        return 1
 
     def fetch_training_trace(self) -> TrainingTrace:
         """The rollout's exact-token capture as TRL trains it (openenv's contract; raises ValueError if untrainable)."""
@@ -130,10 +105,8 @@ class HarborRolloutSession(ResourceSession):
         return to_training_trace(self.result)
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        """The verifier's grade of what the policy did (recipe.graded_reward: a timed-out or non-zero agent exit
-        counts as graded); None, unscorable, when there is no grade. A verifier that crashed raises, so the rollout is
-        unscorable for its grade, not for the agent.
-        """
+        """The verifier's grade (recipe.graded_reward), None when there is none. A verifier that crashed raises: the
+        rollout is unscorable for its grade, not for the agent."""
         if self.result is not None and self.result.exception_type in VERIFIER_FAILURE_TYPES:
             raise RuntimeError(self.error)
         return VerifyResult(env_reward=recipe.graded_reward(self.result), done=True,
@@ -145,30 +118,30 @@ class HarborRolloutSession(ResourceSession):
 
     @property
     def trial_dir(self) -> Path | None:
-        """The env server's Harbor trial folder of this rollout (trial result, agent and verifier logs)."""
-        return trials_dir() / self.trial_name if self.trial_name else None
+        """The env server's Harbor trial folder of this rollout (trial result, agent and verifier logs); the env server
+        runs in this container, with this environment."""
+        from openenv.harbor.environment import _trials_dir
+
+        return _trials_dir() / self.trial_name if self.trial_name else None
 
     def close(self) -> None:
-        """The env server owns the sandbox (it is deleted when the trial ends); the trial folder is handled once."""
-        if self._finished or self.result is None:
-            return
-        self._finished = True
-        self._after_rollout(self.trial_dir, failed=not (self.result.ok or self.timed_out))
-
-    def _after_rollout(self, trial_dir: Path | None, *, failed: bool) -> None:
-        """The one place a finished rollout's trial folder is dealt with, after its trace and verdict were taken:
-        its phases are timed from Harbor's result (the guard's ledger records them), then the folder is removed, or
-        kept for a failed rollout within the disk budget (sandbox_lifecycle)."""
+        """Once, after the trace and the verdict were taken: time the trial's phases (the guard's ledger records them),
+        then remove its folder, or keep a failed rollout's within the disk budget (sandbox_lifecycle). The env server
+        owns the sandbox."""
         import sandbox_lifecycle
 
-        if trial_dir is None:
+        if self._finished or self.result is None or self.trial_dir is None:
             return
-        self.timing = sandbox_lifecycle.trial_timing(trial_dir)
-        sandbox_lifecycle.finish_trial(trial_dir, failed=failed, session_key=str(self.result.session_id or ""))
+        self._finished = True
+        self.timing = sandbox_lifecycle.trial_timing(self.trial_dir)
+        sandbox_lifecycle.finish_trial(self.trial_dir, failed=not (self.result.ok or self.timed_out),
+                                       session_key=str(self.result.session_id or ""))
 
 
 class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
     """Training sessions for the tasks of one env-server split; also the task list (`tasks`, `prompt_rows`)."""
+
+    _lock = threading.Lock()  # the class's, not an instance's: TRL pickles the factory into its spawned child
 
     def __init__(self, env_url: str, *, split: str = "", llm_url: str = "", model: str = "", harness: str = "opencode",
                  sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = 0.0, agent_step_limit: int = 0,
@@ -179,26 +152,16 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
         self.sampling = sampling
         self._tasks: list[dict[str, Any]] = []
         self._by_key: dict[str, dict[str, Any]] = {}
-        self._lock = threading.Lock()
-
-    def __getstate__(self) -> dict[str, Any]:
-        return {k: v for k, v in self.__dict__.items() if k != "_lock"}
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        self.__dict__.update(state, _lock=threading.Lock())
 
     def tasks(self) -> list[dict[str, Any]]:
-        """[{index, task_name, instruction}] of the split, fetched from the task API once (under a lock: TRL's pool
-        threads may all ask at once); the split is resolved to the server's first when none was named."""
+        """[{index, task_name, instruction}] of the split (choose_split), fetched once, under a lock: TRL's pool threads
+        may all ask at once."""
         with self._lock:
             if not self._tasks:
                 from openenv.harbor.client import HarborEnv
 
                 with HarborEnv(base_url=self.env_url) as env:
-                    names = [str(s.get("name", "")) for s in env.splits()]
-                    if self.split and self.split not in names:
-                        raise recipe.ConfigError(f"the env server has no split {self.split!r}; it serves {names}")
-                    self.split = self.split or (names[0] if names else "")
+                    self.split = choose_split([str(s.get("name", "")) for s in env.splits()], self.split)
                     refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
                 tasks = [{"index": int(r.index), "task_name": r.task_name, "instruction": r.instruction} for r in refs]
                 self._by_key = {instruction_key(t["instruction"]): t for t in tasks}
@@ -213,7 +176,7 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
         """A training session for the task whose instruction is this prompt; KeyError for a prompt not served."""
         self.tasks()
-        found = self._by_key.get(instruction_key(prompt_text(task)))
+        found = self._by_key.get(instruction_key(str(task[-1]["content"])))  # TRL passes prompt_rows()' messages
         if found is None:
             raise KeyError("this prompt matches no task on the env server: build the dataset from prompt_rows()")
         return HarborRolloutSession(self.env_url, split=self.split, task_index=found["index"],
@@ -228,21 +191,17 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
 
 
 def check() -> str:
-    """Prove, in the job's own interpreter, that the installed openenv has what these sessions use and that they are
-    TrainableSessions by its protocol (TRL 1.15 would otherwise refuse the first rollout, after vLLM started)."""
+    """Prove, in the job's own interpreter, that these sessions are TrainableSessions by the installed openenv's
+    protocol: TRL 1.15 would otherwise refuse the first rollout, after vLLM started."""
     from importlib import metadata
 
     from openenv.core.harness import TrainableSession
-    from openenv.harbor.client import HarborEnv
-    from openenv.harbor.contract import to_training_trace
 
-    missing = [name for name in ("run_rollout", "get_task_range", "splits") if not callable(getattr(HarborEnv, name))]
-    if missing or not callable(to_training_trace) or not issubclass(HarborRolloutSession, TrainableSession):
-        raise recipe.ConfigError(
-            f"openenv {metadata.version('openenv')} does not carry what harbor_sessions.py needs (HarborEnv lacks "
-            f"{missing or 'nothing'}; TrainableSession: {issubclass(HarborRolloutSession, TrainableSession)}): "
-            "install the recipe's pinned openenv")
-    return f"harbor_sessions: sessions are trainable on openenv {metadata.version('openenv')} (HarborEnv.run_rollout)"
+    version = metadata.version("openenv")
+    if not issubclass(HarborRolloutSession, TrainableSession):
+        raise recipe.ConfigError(f"openenv {version}'s TrainableSession is not what harbor_sessions.py implements: "
+                                 "install the recipe's pinned openenv")
+    return f"harbor_sessions: sessions are trainable on openenv {version}"
 
 
 if __name__ == "__main__":

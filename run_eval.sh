@@ -1,61 +1,48 @@
 #!/usr/bin/env bash
-# Base-vs-adapter eval job: vLLM in LoRA mode (base model + the adapter hot-loaded next to it), the OpenEnv
-# Harbor env server on the held-out test tasks, then eval_adapter.py on all of them (eval/<...>_results.json
-# pushed to the adapter repo). With EVAL_MODE=watch it runs the live per-checkpoint watcher instead
-# (eval_watch.py; run_eval_watch.sh sets that). Works standalone (HF Job on the vllm/vllm-openai image,
-# flavor h200, expose_public=[PUBLIC_PORT]) and from run_job.sh after training (CHECKPOINT=final).
+# Eval job: vLLM in LoRA mode and the env server on the held-out test tasks, then eval_adapter.py (base vs one
+# adapter, pushed to the adapter repo) or, with EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (every checkpoint
+# as it is pushed). An HF Job on the vllm/vllm-openai image (flavor h200, expose_public=[PUBLIC_PORT]), and
+# run_job.sh's final eval (CHECKPOINT=final). Reference: docs/evaluation.md.
 #
 #   ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=checkpoint-500 bash run_eval.sh
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_eval.sh     # print the plan, start nothing
 #
 # Environment (defaults from recipe.py):
-#   ADAPTER_REPO             required: owner/name of the adapter repo (results are pushed there too).
-#   HF_TOKEN                 required (job secret); never printed.
-#   CHECKPOINT=final         full mode: "final" (the adapter at the repo root) or "checkpoint-N".
-#   EVAL_TASKS=<TEST_TASKS>  full mode: a fixed, seeded subset of the test tasks (the smoke run's final eval).
-#   EVAL_MODE=full           full = eval_adapter.py on all test tasks; watch = eval_watch.py (live curve).
-#   N_TASKS=<EVAL_WATCH_TASKS>   watch mode: size of the fixed test subset.
-#   MAX_IDLE_HOURS=<MAX_IDLE_HOURS>  watch mode: stop after this long without a new checkpoint.
-#   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).  REPORT_TO=<REPORT_TO>
-#   DASHBOARD_SPACE=<DASHBOARD_SPACE>   the Trackio Space: a name, owner/name, or local (no Space).
+#   ADAPTER_REPO, HF_TOKEN   required (the token a job secret, never printed).
+#   EVAL_MODE=full           full: eval_adapter.py; watch: eval_watch.py.
+#   CHECKPOINT=final         full: "final" (the adapter at the repo root) or "checkpoint-N".
+#   EVAL_TASKS=<TEST_TASKS>  full: a fixed, seeded subset of the test tasks (the smoke run's final eval).
+#   N_TASKS=<EVAL_WATCH_TASKS>  MAX_IDLE_HOURS=<MAX_IDLE_HOURS>   watch: the subset's size; stop after this long idle.
+#   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).
+#   REPORT_TO=<REPORT_TO>  DASHBOARD_SPACE=<DASHBOARD_SPACE>  where the pass@1 points and the summary are logged.
 #   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host (sandboxes reach the capture proxy there).
-#   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>   rollouts in flight.
-#   GPU=<EVAL_GPU>           GPU for vLLM.   READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
+#   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>  GPU=<EVAL_GPU>  READY_TIMEOUT=<READY_TIMEOUT_S> (server start-up, s)
 #   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
-#   WORK_DIR=/tmp/lfm-eval   test tasks and eval work files. Logs: LOG_DIR=/tmp/lfm-logs.
-#   DEBUG=0                  1: a failing Python step prints its traceback above its one-line reason.
+#   WORK_DIR=/tmp/lfm-eval  LOG_DIR=/tmp/lfm-logs  DEBUG=0 (1: a failing Python step prints its traceback)  DRY_RUN=0
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 STEPS=5
 
-# Reads recipe.py's knobs and checks every environment knob (recipe.py's checks, as launch.py and the eval scripts
-# run them): a bad value stops the job here, before step 1.
+# recipe.py's knobs, and every environment knob checked (recipe.py's checks): a bad value stops the job before step 1.
 read_knobs() {
-  local -a k
-  mapfile -t k < <(recipe LOOPBACK EVAL_GPU EVAL_FLAVOR)
-  [ "${#k[@]}" -eq 3 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
-  LOOPBACK="${k[0]}"; GPU="${GPU:-${k[1]}}"; JOB_FLAVOR="${k[2]}"
+  LOOPBACK="$(recipe LOOPBACK)"; GPU="${GPU:-$(recipe EVAL_GPU)}"; JOB_FLAVOR="$(recipe EVAL_FLAVOR)"
   job_knobs EVAL_MODE CHECKPOINT N_TASKS MAX_IDLE_HOURS
   WORK_DIR="${WORK_DIR:-/tmp/lfm-eval}"; TASKS_DIR="$WORK_DIR/tasks"
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
 }
 
-# Bad input stops here, with one line, before anything is installed or started.
 preflight() {
-  local what
+  local what="checkpoint=$CHECKPOINT"
   job_preflight "$GPU"
-  what="checkpoint=$CHECKPOINT"
   [ "$EVAL_MODE" = full ] || what="n_tasks=$N_TASKS max_idle_hours=$MAX_IDLE_HOURS"
   log "preflight: ADAPTER_REPO=$ADAPTER_REPO mode=$EVAL_MODE $what SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
 }
 
-# The pinned stack, unless it is already installed (run_job.sh installed it before training).
+# The pinned stack, unless run_job.sh installed it before training.
 ensure_stack() {
-  if ! dry_run && "$PYTHON" -c 'import sys
-sys.path.insert(0, sys.argv[1])
-import openenv.harbor.client, recipe
+  if ! dry_run && "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import openenv.harbor.client, recipe
 recipe.check_versions(tuple(recipe.pinned_versions()))' "$HERE" 2>/dev/null; then
     STEP_NOTE="pinned stack already installed"
     return 0
@@ -63,12 +50,6 @@ recipe.check_versions(tuple(recipe.pinned_versions()))' "$HERE" 2>/dev/null; the
   install_stack
 }
 
-# The pinned, hash-checked held-out test tasks.
-prepare_tasks() {
-  do_cmd "$PYTHON" "$HERE/prepare_tasks.py" --out "$TASKS_DIR" --split test
-}
-
-# vLLM in LoRA mode (runtime LoRA loading on), loopback only.
 start_policy() {
   local -a vars=(GPU="$GPU" HOST="$LOOPBACK" PORT="$POLICY_PORT" LORA=1)
   start_bg eval_vllm env "${vars[@]}" bash "$HERE/serve_policy.sh"
@@ -76,13 +57,13 @@ start_policy() {
   wait_http eval_vllm "$VLLM_URL/health" "$READY_TIMEOUT" "$(dry_run || echo "${CHILD_PIDS[-1]}")"
 }
 
-# The env server on the test tasks; the capture proxy public through the gateway for the sandboxes.
+# The env server on the test tasks (loopback); its capture proxy public through the gateway, for the sandboxes.
 start_env_server() {
   local -a vars=(DATASETS="$TASKS_DIR/test" SPACE_HOST="$PUBLIC_HOSTNAME" POLICY_URL="$VLLM_URL"
     ENV_HOST="$LOOPBACK" ENV_PORT="$ENV_PORT" PUBLIC_PORT="$PUBLIC_PORT")
+  local pid
   start_bg eval_env_server env "${vars[@]}" bash "$HERE/serve_env.sh"
   dry_run && env "${vars[@]}" bash "$HERE/serve_env.sh"
-  local pid
   pid="$(dry_run || echo "${CHILD_PIDS[-1]}")"
   wait_http eval_env_server "$ENV_URL/health" "$READY_TIMEOUT" "$pid"
   wait_http eval_env_server "http://127.0.0.1:$PUBLIC_PORT/capture/health" "$READY_TIMEOUT" "$pid"
@@ -102,7 +83,7 @@ main() {
   begin_job read_knobs
   step 0 preflight preflight
   step 1 install ensure_stack
-  step 2 tasks prepare_tasks
+  step 2 tasks do_cmd "$PYTHON" "$HERE/prepare_tasks.py" --out "$TASKS_DIR" --split test
   step 3 vllm start_policy
   step 4 env-server start_env_server
   step 5 "eval ($EVAL_MODE)" run_eval

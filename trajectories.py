@@ -1,18 +1,5 @@
-"""What the agent did, kept with each checkpoint: a few trajectories, and one page of them beside the learning curve.
-
-The rollout child keeps the last recipe.TRAJECTORY_SAMPLE finished rollouts in the work folder
-(recipe.TRAJECTORIES_NAME, train_rollouts.Ledger), each as `trajectory()` takes it from what the rollout already has,
-OpenEnv's HarborRolloutResult: its agent conversation as the capture proxy recorded it (system prompt, every model
-turn, tool call and tool result), truncated for reading; the verifier's reward and verdict from Harbor's result; the
-tool calls TRL counted; the rollout guard's outcome class. Each checkpoint push (train_callbacks.CheckpointPusher)
-commits that sample as logs/<job>/trajectories/checkpoint-N.json and rebuilds trajectories.html at the repo root, and
-so does each summary the eval watcher publishes: the learning curve (every job's training reward per step, the
-watcher's pass@1 per checkpoint) above each checkpoint's trajectories.
-
-A static page rather than a Trackio table: it sits in the adapter repo with the results (no dashboard Space needed,
-so REPORT_TO=none and DASHBOARD_SPACE=local have it too), opens in any browser after `hf download REPO
-trajectories.html`, and outlives the job.
-"""
+"""What the agent did: a few trajectories kept with each checkpoint, and trajectories.html, a page of them beside the
+learning curve (in the adapter repo: it needs no dashboard and outlives the job; docs/evaluation.md, "Trajectories")."""
 
 from __future__ import annotations
 
@@ -43,17 +30,12 @@ def clip(text: Any, limit: int) -> str:
     return f"{text[:head]}\n[... {len(text) - limit} characters cut ...]\n{text[len(text) - (limit - head):]}"
 
 
-def _text(content: Any) -> str:
-    """A message's text: a string, or the text parts of a list (OpenAI's content parts)."""
-    if isinstance(content, list):
-        return "\n".join(str(p.get("text", "")) for p in content if isinstance(p, dict) and p.get("text"))
-    return "" if content is None else str(content)
-
-
 def _message(message: dict[str, Any]) -> dict[str, Any]:
-    role = str(message.get("role", ""))
-    limit = SYSTEM_CHARS if role == "system" else TEXT_CHARS
-    shown: dict[str, Any] = {"role": role, "text": clip(_text(message.get("content")), limit)}
+    """One message for reading: its role, its text (a string or OpenAI's text parts) clipped, its tool calls."""
+    role, text = str(message.get("role", "")), message.get("content") or ""
+    if isinstance(text, list):
+        text = "\n".join(str(p.get("text", "")) for p in text if isinstance(p, dict) and p.get("text"))
+    shown: dict[str, Any] = {"role": role, "text": clip(str(text), SYSTEM_CHARS if role == "system" else TEXT_CHARS)}
     calls = [c.get("function") or c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
     if calls:
         shown["tool_calls"] = [{"name": str(c.get("name", "")), "arguments": clip(c.get("arguments", ""),

@@ -62,7 +62,8 @@ class Page:
                     raise RuntimeError(f"chromium did not open its DevTools port {port} within {timeout_s} s") from None
                 time.sleep(0.2)
         self.ws = connect(target["webSocketDebuggerUrl"], max_size=None, open_timeout=timeout_s)
-        while self.evaluate("document.readyState") != "complete":
+        # The new target holds about:blank, already "complete", until the navigation to `url` commits.
+        while self.evaluate("location.href !== 'about:blank' && document.readyState") != "complete":
             if time.monotonic() > deadline:
                 raise RuntimeError(f"{url} did not finish loading within {timeout_s} s")
             time.sleep(0.1)

@@ -113,14 +113,15 @@ def test_eval_sampling_top_k_zero_is_refused_before_any_rollout(monkeypatch):
 
 
 def test_choose_split():
-    splits = [{"name": "/data/datasets/train"}, {"name": "/data/datasets/test"}]
-    assert ea.choose_split(splits) == "/data/datasets/test"
-    assert ea.choose_split(splits[:1]) == "/data/datasets/train"
-    assert ea.choose_split(splits, "/data/datasets/train") == "/data/datasets/train"
-    with pytest.raises(recipe.ConfigError, match="EVAL_SPLIT"):
-        ea.choose_split(splits, "nope")
-    with pytest.raises(recipe.ConfigError, match="EVAL_SPLIT"):
-        ea.choose_split([{"name": "a"}, {"name": "b"}])
+    from harbor_sessions import choose_split
+
+    splits = ["/data/datasets/train", "/data/datasets/test"]
+    assert choose_split(splits[:1], "") == "/data/datasets/train"
+    assert choose_split(splits, "/data/datasets/test") == "/data/datasets/test"
+    with pytest.raises(recipe.ConfigError, match="has no split 'nope'.*EVAL_SPLIT"):
+        choose_split(splits, "nope")
+    with pytest.raises(recipe.ConfigError, match="serves several splits.*EVAL_SPLIT"):
+        choose_split(splits, "")  # never a guess: a training factory would train on the test tasks
 
 
 # --- cells: retries, resume, output cap -----------------------------------------------------------
@@ -796,14 +797,14 @@ def test_eval_without_an_env_server_is_one_line_not_a_type_error(tmp_path):
                        offline.offline_env(tmp_path, ADAPTER_REPO=REPO))
     line = offline.one_line(proc, "eval_adapter")
     assert proc.returncode == 1 and "TypeError" not in line
-    assert line == (f"eval_adapter: the env server at {env_url} does not answer its health check (ConnectError: "
-                    "[Errno 111] Connection refused): it is not running or still starting: start it (serve_env.sh; "
-                    "run_eval.sh does) or fix --env-url/ENV_URL")
+    assert line == (f"eval_adapter: could not reach {env_url}/health (ConnectError: [Errno 111] Connection refused): "
+                    "the server there is not running, or the URL is wrong; start it or fix the URL, and rerun")
 
 
 def test_a_vllm_that_does_not_answer_is_named():
     url = offline.closed_url()
-    with pytest.raises(adapter_repo.Failure, match=rf"^vLLM at {url} does not answer \(ConnectError: .*serve_policy"):
-        ea.LoraServer(url).served()
-    with pytest.raises(adapter_repo.Failure, match=rf"^vLLM at {url} does not answer"):
-        ea.LoraServer(url).load("x", Path("/nonexistent"))
+    for call in (lambda: ea.LoraServer(url).served(), lambda: ea.LoraServer(url).load("x", Path("/nonexistent"))):
+        with pytest.raises(httpx.ConnectError) as caught:
+            call()
+        line, code = adapter_repo.failure_line(caught.value)  # the entry points' one line (run_cli)
+        assert line.startswith(f"could not reach {url}/v1/") and "start it or fix the URL" in line and code == 1

@@ -100,17 +100,17 @@ def test_discover_orders_by_step_and_ignores_half_uploaded():
                   f"checkpoint-{step}/{COMPLETE_MARKER}"]
     files += ["checkpoint-300/adapter_model.safetensors", "checkpoint-300/adapter_config.json"]  # marker not yet
     files += ["checkpoint-400/adapter_config.json", f"checkpoint-400/{COMPLETE_MARKER}"]  # weights missing
-    assert ew.discover(files) == [(100, "checkpoint-100"), (200, "checkpoint-200"), (1000, "checkpoint-1000")]
+    assert adapter_repo.complete_checkpoints(files) == [100, 200, 1000]  # what Watcher.pending evaluates, in order
 
 
 def test_choose_subset_is_fixed_and_seeded():
-    subset = ew.choose_subset(250, 100)
-    assert subset == ew.choose_subset(250, 100) == sorted(set(subset))
+    subset = ea.choose_subset(250, 100)
+    assert subset == ea.choose_subset(250, 100) == sorted(set(subset))
     assert len(subset) == 100 and all(0 <= i < 250 for i in subset)
-    assert subset != ew.choose_subset(250, 100, seed=recipe.EVAL_SEED + 1)
-    assert ew.choose_subset(10, 10) == list(range(10))
+    assert subset != ea.choose_subset(250, 100, seed=recipe.EVAL_SEED + 1)
+    assert ea.choose_subset(10, 10) == list(range(10))
     with pytest.raises(recipe.ConfigError, match="N_TASKS=300"):
-        ew.choose_subset(250, 300)
+        ea.choose_subset(250, 300)
 
 
 def test_learning_curve_png_is_valid_and_sized():
@@ -154,7 +154,7 @@ def test_watcher_evaluates_checkpoints_in_order_and_stops_after_final(hub, vllm,
     assert lora_calls == expected and vllm.loras == {}
 
     subset = repo_json(hub, adapter_repo.WATCH_BASE_PATH)["subset"]
-    assert subset == ew.choose_subset(len(TASKS), N_TASKS)
+    assert subset == ea.choose_subset(len(TASKS), N_TASKS)
     base_calls = [t for t, m in factory.calls if m == recipe.SERVED_MODEL_NAME]
     unscorable = 11 in subset
     assert len(base_calls) == N_TASKS + unscorable * (recipe.EVAL_CELL_ATTEMPTS - 1)
@@ -206,7 +206,7 @@ def test_killed_watcher_resumes_mid_checkpoint_without_recomputing(hub, vllm, ad
     push_folder(hub, REPO, adapter_dir, "checkpoint-100", marker=True)
     push_folder(hub, REPO, adapter_dir, "checkpoint-200", marker=True)
     push_folder(hub, REPO, adapter_dir, "")
-    subset = ew.choose_subset(len(TASKS), N_TASKS)
+    subset = ea.choose_subset(len(TASKS), N_TASKS)
     base_rollouts = N_TASKS + (11 in subset) * (recipe.EVAL_CELL_ATTEMPTS - 1)
     kill_at = base_rollouts + N_TASKS + 3  # base, all of checkpoint-100, then 3 cells into checkpoint-200
     killer = EvalFactoryDouble(vllm.url, outcome, kill_after=kill_at)
@@ -308,7 +308,7 @@ def test_two_watchers_cannot_corrupt_the_summary(vllm, adapter_dir, tmp_path):
     def other_watcher():
         doc = {"checkpoint": "checkpoint-900", "step": 900, "complete": True,
                "cells": [{"side": "adapter", "task_index": i, "reward": 1.0, "unscorable": False, "attempts": 1}
-                         for i in ew.choose_subset(len(TASKS), N_TASKS)]}
+                         for i in ea.choose_subset(len(TASKS), N_TASKS)]}
         LocalHub.upload_file(hub, path_or_fileobj=json.dumps(doc).encode(),
                              path_in_repo=adapter_repo.watch_results_path("checkpoint-900"), repo_id=REPO)
 

@@ -8,4 +8,4 @@ with open(os.environ.get("STUB_LOG", os.devnull), "a") as log:
 if os.environ.get("STUB_OPENENV") == "old":
     sys.exit("harbor_sessions: openenv 0.9.0 does not carry what harbor_sessions.py needs (TrainableSession: False): "
              "install the recipe's pinned openenv")
-print("harbor_sessions: sessions are trainable on openenv 0.10.0 (HarborEnv.run_rollout)")
+print("harbor_sessions: sessions are trainable on openenv 0.10.0")
