@@ -71,14 +71,9 @@ smoke_preflight() {
 
 # The go/no-go report ($REPORT_HOOK, run at exit): one screen in the log, smoke_report.json pushed; 1 on NO-GO.
 smoke_job_report() {
-  local -a cmd=("$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE")
-  if dry_run; then
-    echo "  at exit, whatever happened: the go/no-go report (smoke_report.json; the job fails on NO-GO)"
-    show_cmd "${cmd[@]}"
-    return 0
-  fi
-  log "smoke report: checkpoints read back from $ADAPTER_REPO, the job's own records in $WORK_DIR"
-  "${cmd[@]}"
+  if dry_run; then echo "  at exit, whatever happened: the go/no-go report (smoke_report.json; the job fails on NO-GO)"
+  else log "smoke report: checkpoints read back from $ADAPTER_REPO, the job's own records in $WORK_DIR"; fi
+  do_cmd "$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE"
 }
 
 # py_step NOTE SCRIPT ARG...: one of the bundle's Python checks or preparations (steps 2-4), NOTE once it is done.
