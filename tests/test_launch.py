@@ -504,14 +504,12 @@ def test_eval_watch_says_when_its_repo_does_not_exist_yet_and_what_the_watcher_w
     assert rc == 0 and "note:" not in err and len(hub.jobs) == 2
 
 
-def test_smoke_dry_run_shows_the_stage_budget(capsys, bundle):
+def test_smoke_dry_run_shows_the_plan(capsys, bundle):
     rc, out, _ = run_main(capsys, ["smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env())
     plan = json.loads(out)["smoke_plan"]
     assert rc == 0 and plan == smoke_report.plan()
-    assert plan["steps"] == 20 and plan["checkpoints"] == [5, 10, 15, 20] and plan["margin_s"] > 0
+    assert plan["steps"] == 20 and plan["checkpoints"] == [5, 10, 15, 20] and plan["deadline_s"] < plan["cap_s"]
     assert json.loads(out)["job"]["timeout"] == plan["timeout"] == "8h"
-    assert {s["stage"]: s["worst_s"] for s in plan["stages"]}["servers"] == recipe.READY_TIMEOUT_S
-    assert [s["stage"] for s in plan["stages"]][4:6] == ["train", "resume"]
 
 
 def test_eval_watch_smoke_watches_the_smoke_repo_on_a_few_tasks(capsys, bundle):

@@ -29,6 +29,12 @@ def test_openenv_whose_sessions_trl_cannot_train_stops_job(job):
     assert not any(line.startswith("vllm") for line in stub_log(job))
 
 
+def test_the_shipped_session_client_passes_that_check_on_the_pinned_openenv():
+    import harbor_sessions
+
+    assert harbor_sessions.check().startswith("harbor_sessions: sessions are trainable on openenv ")
+
+
 def test_vllm_outside_version_window_stops_job_with_versions(job):
     own_site(job, "0.30.0")
     out = run_job(job)

