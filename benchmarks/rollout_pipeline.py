@@ -341,7 +341,7 @@ def train_run(inflight: int, staleness: int, distribution: str, args: argparse.N
     run_dir = Path(tempfile.mkdtemp(prefix=f"{inflight}-{staleness}-{distribution}-", dir=workdir))
     (run_dir / "sandboxes").mkdir()
     env = {"MODEL": str(workdir / "model"), "ADAPTER_REPO": ADAPTER_REPO, "HF_TOKEN": PLACEHOLDER_TOKEN,
-           "MAX_STEPS": str(recipe.TRAIN_MEDIUM + recipe.TRAIN_HARD), "SAVE_STEPS": str(10**6),
+           "MAX_STEPS": str(steps := recipe.TRAIN_MEDIUM + recipe.TRAIN_HARD), "SAVE_STEPS": str(steps),
            "OUTPUT_DIR": str(run_dir / "outputs"), "HEARTBEAT_FILE": str(run_dir / "heartbeat"), "DEVICE": "cpu",
            "REPORT_TO": report_to, "DASHBOARD_SPACE": "local", "JOB_ID": run_dir.name, "RESUME": "0",
            "MAX_STALENESS": str(staleness),
