@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 from harbor.models.task.task import Task
-from harbor_fixture import GRADER_SHA256, list_json, make_snapshot, make_task, materialized, publish, write_lists
+from harbor_fixture import (
+    GRADER_SHA256,
+    Counts,
+    in_recipe,
+    list_json,
+    make_snapshot,
+    make_task,
+    materialized,
+    publish,
+    write_lists,
+)
 from hub_double import LocalHub
 from openenv.harbor.tasks import _task_dirs_from_directory
 
@@ -25,7 +35,7 @@ import prepare_tasks as pt
 import recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-COUNTS = pt.Counts(medium=4, hard=6, test=3)
+COUNTS = Counts(medium=4, hard=6, test=3)
 # The fixture's task.toml carries `allow_internet` like the generator's; Harbor 0.25 warns it is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:The 'allow_internet' field is deprecated")
 PATCHED = {"docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB}
@@ -67,10 +77,10 @@ def hub_with(tmp_path: Path, sources: dict[str, Path]) -> RecordingHub:
     return hub
 
 
-def run_main(argv: list[str], capsys, api=None, counts: pt.Counts = COUNTS,
-             grader_sha256: str = GRADER_SHA256) -> tuple[int, str]:
+def run_main(argv: list[str], capsys, api=None, grader_sha256: str = GRADER_SHA256) -> tuple[int, str]:
     """main() on the small lists; the fixture's tasks carry the fixture's grader."""
-    rc = pt.main(argv, api=api, counts=counts, grader_sha256=grader_sha256)
+    with in_recipe(COUNTS, grader_sha256):
+        rc = pt.main(argv, api=api)
     return rc, capsys.readouterr().err
 
 
@@ -323,7 +333,7 @@ def test_materialized_fixture_gives_other_tests_a_prepared_dataset(tmp_path):
 
 def test_an_out_folder_that_cannot_be_made_is_one_line(capsys):
     """Issue 43 (13): `--out /proc/x` printed an 18-line traceback."""
-    rc, err = run_main(["--out", "/proc/x", "--split", "train"], capsys, counts=pt.Counts())
+    rc, err = pt.main(["--out", "/proc/x", "--split", "train"]), capsys.readouterr().err  # the committed lists
     assert rc == 2
     assert error_line(err) == ("prepare_tasks.py: error: --out /proc/x cannot be created (No such file or directory): "
                                "choose a folder you can write")
