@@ -94,23 +94,18 @@ def check_lists(lists: dict[str, list[Any]]) -> None:
                                   f"{row[key]!r}: held-out results would be contaminated; {RESTORE}")
 
 
-def in_list_order(rows: list[dict[str, Any]], data_dir: Path, split: str,
-                  key: str = "task_name") -> list[dict[str, Any]]:
-    """`rows` (one per served task, named by `key`) in the order of data/<split>.json, the one home of the order
-    (openenv serves folders sorted by name, and TRL iterates its train dataset unshuffled); refuses other tasks."""
-    listed = load_list(data_dir, split)
-    check_rows(listed, split)
-    position = {row["name"]: i for i, row in enumerate(listed)}
-    served = Counter(row[key] for row in rows)
-    extra = sorted(name for name in served if name not in position)
-    missing = [name for name in position if name not in served]
-    twice = sorted(name for name, n in served.items() if n > 1)
-    if extra or missing or twice:
+def in_list_order(rows: list[dict[str, Any]], data_dir: Path, split: str) -> list[dict[str, Any]]:
+    """`rows` (one per served task) in the order of data/<split>.json, the one home of the order (openenv serves
+    folders sorted by name, and TRL iterates its train dataset unshuffled); refuses tasks other than the listed."""
+    position = {row["name"]: i for i, row in enumerate(load_list(data_dir, split))}
+    served = {row["task_name"] for row in rows}
+    extra, missing = sorted(served - position.keys()), [name for name in position if name not in served]
+    if extra or missing:
         what = "; ".join(f"{label} {len(names)} (e.g. {names[0]})" for label, names in (
-            ("not in the list:", extra), ("listed but not served:", missing), ("served twice:", twice)) if names)
+            ("not in the list:", extra), ("listed but not served:", missing)) if names)
         raise ConfigError(f"the env server's {split} tasks are not data/{split}.json's ({what}): serve the folder "
                           f"`prepare_tasks.py --split {split}` wrote from that list")
-    return sorted(rows, key=lambda row: position[row[key]])
+    return sorted(rows, key=lambda row: position[row["task_name"]])
 
 
 # --- materialize ---------------------------------------------------------------------------------
@@ -119,14 +114,11 @@ def patched_toml(folder: Path) -> str:
     were OOM-killed) in [environment], every other key kept."""
     try:
         config = tomllib.loads((folder / "task.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"task {folder.name}: task.toml is missing or not valid TOML ({exc}): use the pinned "
-                          "dataset revision") from None
-    environment = config.get("environment")
-    if not isinstance(environment, dict):
-        raise ConfigError(f"task {folder.name}: task.toml has no [environment] table, so docker_image cannot be set: "
-                          "the snapshot is not a SmolDataEnvs Harbor task; use the pinned dataset revision")
-    environment.update(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS, memory_mb=recipe.TASK_MEMORY_MB)
+        config["environment"].update(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS,
+                                     memory_mb=recipe.TASK_MEMORY_MB)
+    except (OSError, tomllib.TOMLDecodeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"task {folder.name}: task.toml is missing, not valid TOML or has no [environment] table "
+                          f"({type(exc).__name__}: {exc}): use the pinned dataset revision") from None
     return tomli_w.dumps(config)
 
 
@@ -138,7 +130,7 @@ def download(api: Any, split: str, dest: Path, patterns: list[str]) -> Path:
     print(f"[prepare_tasks] downloading {repo_id}@{revision} ({len(patterns)} patterns)", file=sys.stderr, flush=True)
     try:
         (api or HfApi()).snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
-                              allow_patterns=patterns)
+                                           allow_patterns=patterns)
     except Exception as exc:  # network, auth, missing revision: one line, then stop
         raise ConfigError(f"download of {repo_id}@{revision} failed ({describe(exc)}): "
                           "check the network and HF_TOKEN, or pass a local snapshot") from None
@@ -180,15 +172,6 @@ def build_split(rows: list[dict[str, str]], src: Path, dest: Path, split: str, o
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-def replace_dir(staged: Path, target: Path) -> None:
-    """Put `staged` where `target` is, removing the old copy only after the new one is in place."""
-    old = target.with_name(f".{target.name}.old-{os.getpid()}")
-    if target.exists():
-        target.rename(old)
-    staged.rename(target)
-    shutil.rmtree(old, ignore_errors=True)
-
-
 def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | None], data_dir: Path,
                 api: Any) -> dict[str, Path]:
     """Write OUT/<split>/ for each split from the lists, all or nothing: every split is verified before the first
@@ -217,8 +200,12 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
             verified[split] = src, origin
         for split, (src, origin) in verified.items():
             build_split(lists[split], src, out / f".{split}.partial-{os.getpid()}", split, origin)
-        for split in splits:
-            replace_dir(out / f".{split}.partial-{os.getpid()}", out / split)
+        for split in splits:  # an older copy goes only once the new one is in place
+            old = out / f".{split}.old-{os.getpid()}"
+            if (out / split).exists():
+                (out / split).rename(old)
+            (out / f".{split}.partial-{os.getpid()}").rename(out / split)
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         for path in scratch:
             shutil.rmtree(path, ignore_errors=True)

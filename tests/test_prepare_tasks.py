@@ -204,7 +204,7 @@ def drop_environment(sources, rows):
     instruction = (folder / "instruction.md").read_text()
     shutil.rmtree(folder)
     make_task(sources["train"], row["source"], row["difficulty"], instruction=instruction, environment=False)
-    return row["name"], "task.toml has no [environment] table"
+    return row["name"], "has no [environment] table"
 
 
 def swap_grader(sources, rows):
