@@ -8,7 +8,7 @@ import contextlib
 import re
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import recipe
@@ -57,18 +57,17 @@ def _no_token_in_the_space() -> Iterator[None]:
     job's write token) and its MCP server are dropped, every other secret and variable goes through."""
     import huggingface_hub
 
-    dropped = {"add_space_secret": "HF_TOKEN", "add_space_variable": "GRADIO_MCP_SERVER"}
-    real = {name: getattr(huggingface_hub, name) for name in dropped}
+    real = {name: getattr(huggingface_hub, name) for name in ("add_space_secret", "add_space_variable")}
 
-    def guard(name: str) -> Any:
-        def add(repo_id: str, key: str, value: str, **kwargs: Any) -> None:
-            if key != dropped[name]:
-                real[name](repo_id, key, value, **kwargs)
-        return add
+    def guarded(add: Callable[..., None]) -> Callable[..., None]:
+        def call(repo_id: str, key: str, *args: Any, **kwargs: Any) -> None:
+            if key not in ("HF_TOKEN", "GRADIO_MCP_SERVER"):
+                add(repo_id, key, *args, **kwargs)
+        return call
 
     try:
-        for name in dropped:
-            setattr(huggingface_hub, name, guard(name))
+        for name, add in real.items():
+            setattr(huggingface_hub, name, guarded(add))
         yield
     finally:
         for name, function in real.items():

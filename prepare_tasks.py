@@ -20,8 +20,8 @@ from typing import Any
 
 import tomli_w
 
+import adapter_repo
 import recipe
-from adapter_repo import describe
 from recipe import ConfigError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the committed task lists (data/README.md)
@@ -123,17 +123,13 @@ def patched_toml(folder: Path) -> str:
 
 
 def download(api: Any, split: str, dest: Path, patterns: list[str]) -> Path:
-    """Download the pinned revision of a split's dataset, only `patterns`, into `dest`."""
+    """Download the pinned revision of a split's dataset, only `patterns`, into `dest` (a failure is run_cli's line)."""
     from huggingface_hub import HfApi
 
     repo_id, revision = DATASETS[split]
     print(f"[prepare_tasks] downloading {repo_id}@{revision} ({len(patterns)} patterns)", file=sys.stderr, flush=True)
-    try:
-        (api or HfApi()).snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
-                                           allow_patterns=patterns)
-    except Exception as exc:  # network, auth, missing revision: one line, then stop
-        raise ConfigError(f"download of {repo_id}@{revision} failed ({describe(exc)}): "
-                          "check the network and HF_TOKEN, or pass a local snapshot") from None
+    (api or HfApi()).snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
+                                       allow_patterns=patterns)
     return dest
 
 
@@ -217,7 +213,7 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
 
 
 def main(argv: list[str] | None = None, api: Any = None) -> int:
-    """Materialize; a bad input ends in one line on stderr and exit status 2."""
+    """Materialize; a failure ends in one line on stderr (exit status 2 for bad input), as in every script."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("TASKS_DIR", "tasks")),
                         help="output folder, one subfolder per split (env TASKS_DIR, default: tasks)")
@@ -229,13 +225,9 @@ def main(argv: list[str] | None = None, api: Any = None) -> int:
     parser.add_argument("--data", type=Path, default=DATA_DIR,
                         help="folder of train.json and test.json (default: data/ beside this script)")
     args = parser.parse_args(argv)
-    try:
-        materialize(args.out, SPLITS if args.split == "all" else (args.split,),
-                    {"train": args.train_source, "test": args.test_source}, args.data, api)
-    except ConfigError as exc:
-        print(f"prepare_tasks.py: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    splits, sources = SPLITS if args.split == "all" else (args.split,), {"train": args.train_source,
+                                                                         "test": args.test_source}
+    return adapter_repo.run_cli("prepare_tasks.py", lambda: materialize(args.out, splits, sources, args.data, api))
 
 
 if __name__ == "__main__":
