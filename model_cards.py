@@ -87,8 +87,7 @@ def card(data: Any, repo: str, intro: list[str], checkpoint: str, steps: int | N
 
 
 def training_card(adapter_repo: str, steps: int, dashboard_url: str | None, run: Mapping[str, Any]) -> str:
-    """The training repo's: what it holds, where the run's curves are, how it was trained (`run`: its resolved
-    config, train_lora.resolved_config)."""
+    """The training repo's: what it holds, where its curves are, how it was trained (`run`: its resolved config)."""
     name = adapter_repo.split("/")[-1]
     return card(card_data(dashboard_url=dashboard_url), adapter_repo, [
         f"The training repo of a LoRA adapter for `{recipe.BASE_MODEL}` ({steps} optimizer steps), {HOW}. The final "
