@@ -150,8 +150,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     parser.add_argument("--local-dir", default=env.get("LOCAL_DIR"),
                         help="write DIR/adapter (and DIR/merged) instead of pushing (env LOCAL_DIR)")
     parser.add_argument("--private", action="store_true", help="create the target repo(s) private")
-    parser.add_argument("--dry-run", action="store_true", help="check the inputs, print what would be published as "
-                                                                "JSON; download, merge and push nothing")
+    parser.add_argument("--dry-run", action="store_true", help="check the inputs, print the plan as JSON, do nothing")
     return parser.parse_args(argv)
 
 
