@@ -1,8 +1,5 @@
-"""The adapter repo on the Hub: its layout, and the one way every script writes to it and reports a failure.
-
-The layout and the retry policy are described in docs/training.md (Hub writes). Imports only the standard library,
-recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's environment).
-"""
+"""The adapter repo on the Hub: its layout (docs/training.md, Hub writes), the one way every script writes to it,
+and one line per failure. Imports only recipe and huggingface_hub (1.x in the jobs, 2.x in launch.py's)."""
 
 from __future__ import annotations
 
@@ -25,8 +22,7 @@ from recipe import CHECKPOINT_PATTERN, CHECKPOINT_PREFIX, FINAL
 logger = logging.getLogger("adapter_repo")
 
 # --- Layout ----------------------------------------------------------------------------------------------------------
-# The last file of a checkpoint's one commit, listing every file with its size: resume, eval and export load only a
-# folder holding it (and the adapter), never a partial upload.
+# The last file of a checkpoint's one commit, listing its files' sizes: readers load only a folder holding it.
 COMPLETE_MARKER = "checkpoint_complete.json"
 ADAPTER_FILES = ("adapter_model.safetensors", "adapter_config.json")
 # Training state stays in the checkpoints, out of the final adapter at the root.
@@ -62,8 +58,7 @@ def complete_checkpoints(files: Iterable[str]) -> list[int]:
 
 
 def refuse_fresh_start(repo_id: str, files: Iterable[str]) -> None:
-    """RESUME=0 only into a repo without complete checkpoints: among an earlier run's, its pushes would replace some and
-    leave the rest, and a later resume or the eval watcher would take the newest, maybe the other run's."""
+    """RESUME=0 only into a repo without complete checkpoints: a later resume or watcher would take the newest."""
     steps = complete_checkpoints(files)
     if steps:
         raise recipe.ConfigError(
@@ -74,11 +69,10 @@ def refuse_fresh_start(repo_id: str, files: Iterable[str]) -> None:
 
 def checkpoint_complete(files: Iterable[str], checkpoint: str) -> bool:
     """Whether `checkpoint` ("final" or checkpoint-N) has finished uploading: the one rule every reader uses."""
-    present = list(files)
+    present = set(files)
     if checkpoint == FINAL:
-        return set(ADAPTER_FILES) <= set(present)
-    step = checkpoint.removeprefix(CHECKPOINT_PREFIX)
-    return step.isdigit() and int(step) in complete_checkpoints(present)
+        return set(ADAPTER_FILES) <= present
+    return checkpoint in map(checkpoint_name, complete_checkpoints(present))
 
 
 def full_results_path(checkpoint: str) -> str:
@@ -103,8 +97,7 @@ TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the t
 
 
 def live_jobs(api: Any, repo_id: str, script: str) -> list[Any]:
-    """The token owner's jobs, not ended, that run the bundle's `script` on `repo_id` (their ADAPTER_REPO), newest
-    first: what a second launch would write beside, and what an eval watcher watches."""
+    """The token owner's jobs, not ended, running the bundle's `script` on `repo_id` (their ADAPTER_REPO)."""
     return [job for job in api.list_jobs(status=list(LIVE_STAGES))
             if (job.environment or {}).get("ADAPTER_REPO") == repo_id and f"/{script}" in " ".join(job.command or [])]
 
@@ -152,13 +145,9 @@ _HINTS = {401: "check HF_TOKEN (is it valid?)", 403: "check that HF_TOKEN can wr
 
 def with_retries[T](what: str, action: Callable[[], T], *, backoff_s: float = recipe.PUSH_BACKOFF_S,
                     sleep: Callable[[float], None] | None = None) -> T:
-    """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on what is transient.
-
-    Transient: HTTP 408, 429 or 5xx, a connection failure or timeout (first wait `backoff_s`); another writer got
-    there first (409: its commit is in progress; 412: a compare-and-swap lost) or the head read lags (StaleHead)
-    (first wait recipe.CONFLICT_BACKOFF_S). Anything else raises PushError at once: retrying a 403 or a bug only
-    hides it for minutes.
-    """
+    """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on what is transient: HTTP 408, 429, 5xx
+    or a transport error (first wait `backoff_s`); another writer first (409, a lost compare-and-swap's 412) or a
+    lagging head read (CONFLICT_BACKOFF_S). Anything else raises PushError at once: a retried 403 only hides it."""
     for attempt in range(1, recipe.PUSH_RETRIES + 1):
         try:
             return action()
@@ -219,8 +208,8 @@ def failure_line(error: BaseException) -> tuple[str, int]:
 
 
 def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None) -> int:
-    """Print `error` on stderr as one line, the traceback before it only with DEBUG=1; return the exit code. A
-    70-line traceback buries the one fact a user needs; DEBUG=1 brings it back."""
+    """Print `error` on stderr as one line (a traceback buries the one fact a user needs; DEBUG=1 prints it first);
+    return the exit code."""
     line, code = failure_line(error)
     try:
         debug = recipe.knob("DEBUG", env)
@@ -243,8 +232,7 @@ def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | No
 
 
 # --- Writes ----------------------------------------------------------------------------------------------------------
-# {client: {repo: (parent, oid)}} of this writer's last compare-and-swap: right after a commit the Hub's head read
-# can still answer its parent, and building on that would lose to this writer's own commit until the read caught up.
+# {client: {repo: (parent, oid)}} of this writer's last compare-and-swap: a head read can still answer its parent.
 _LAST_CAS: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
 
 
@@ -277,8 +265,8 @@ def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]],
 
 
 def require_write_access(api: Any, repo_id: str) -> None:
-    """Create `repo_id` (private) if missing, then prove the token may write to it: create_repo(exist_ok=True)
-    succeeds with a read-only token; the Hub's write auth-check on the repo answers for any kind of token."""
+    """Create `repo_id` (private) if missing, then prove the token may write to it (create_repo(exist_ok=True)
+    succeeds with a read-only token)."""
     from huggingface_hub.errors import HfHubHTTPError
 
     api.create_repo(repo_id, private=True, exist_ok=True)
@@ -294,11 +282,8 @@ def require_write_access(api: Any, repo_id: str) -> None:
 def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, ignore: tuple[str, ...] = (),
                 marker: bool = False, also: Mapping[str, Path | bytes] | None = None,
                 backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> list[str]:
-    """Upload `folder` as one commit (it lands whole or not at all); return the repo paths written.
-
-    With `marker`, the commit ends with COMPLETE_MARKER; `also` ({repo path: file or bytes}) goes into the same
-    commit, outside the folder and its marker.
-    """
+    """Upload `folder` as one commit (whole or not at all), with `marker` ending in COMPLETE_MARKER, and `also`
+    ({repo path: file or bytes}) outside the folder; return the repo paths written."""
     from huggingface_hub import CommitOperationAdd
 
     files = sorted(p for p in folder.rglob("*") if p.is_file() and not any(p.match(g) for g in ignore))
@@ -326,9 +311,8 @@ def read_json(api: Any, repo_id: str, path: str, revision: str | None = None) ->
 
 
 def head_holding(api: Any, repo_id: str, checkpoint: str, *, sleep: Callable[[float], None] | None = None) -> str:
-    """The head to download `checkpoint` at, read again after waits while it lacks a checkpoint the latest listing
-    holds (a head read can lag the push that completed it). A checkpoint the repo lacks is no lag: its head is
-    returned, for download_adapter to refuse."""
+    """The head to download `checkpoint` at, read again while it lacks a checkpoint the latest listing holds (a head
+    read can lag the push); for a checkpoint the repo lacks, the head, for download_adapter to refuse."""
 
     def read() -> str:
         head = api.repo_info(repo_id).sha

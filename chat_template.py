@@ -1,6 +1,5 @@
-"""The one chat template vLLM renders prompts with and the trainer's tokenizer carries: TRL 1.15's LFM2.5 template,
-checked prefix-stable at start-up, since a template that renders a turn back differently forks every rollout into
-several training rows (docs/training.md, The chat template).
+"""The one chat template vLLM serves and the trainer's tokenizer carries: TRL 1.15's LFM2.5 template, checked
+prefix-stable (one that renders a turn back differently forks every rollout: docs/training.md, The chat template).
 
     python chat_template.py FILE     # write the checked template to FILE (serve_policy.sh: vLLM's --chat-template)
 """
@@ -14,9 +13,7 @@ from pathlib import Path
 
 TRL_TEMPLATE_FILE = "lfm2_2_5.jinja"  # the file behind trl.chat_template_utils.lfm2_2_5_chat_template
 GENERATION_PROMPT = "<|im_start|>assistant\n"
-END = "<|im_end|>"
-# Assistant turns as OpenCode sends them back (vLLM's lfm2 parser split the sampled text into content and tool_calls,
-# the arguments a dict), each with the text LFM2.5 sampled for it.
+# Assistant turns as OpenCode sends them back (vLLM's lfm2 parser split them, arguments a dict), and what was sampled.
 TURNS = (
     ({"role": "assistant", "content": "", "tool_calls": [{"type": "function", "function": {
         "name": "bash", "arguments": {"command": "wc -l data.csv", "description": "Count lines"}}}]},
@@ -44,12 +41,12 @@ def check(template: str) -> None:
     prompt = render(history)
     if not prompt.endswith(GENERATION_PROMPT):
         raise ChatTemplateError(
-            f"the chat template's generation prompt ends {prompt[-40:]!r}, not {GENERATION_PROMPT!r}: whatever it "
-            "opens there (e.g. <think>) is in the sampled prompt but in no assistant turn rendered back, so every "
-            "turn after the first would fork a new training row; use TRL 1.15's lfm2_2_5_chat_template")
+            f"the chat template's generation prompt ends {prompt[-40:]!r}, not {GENERATION_PROMPT!r}: what it opens "
+            "there (e.g. <think>) is in no assistant turn rendered back, so every turn after the first would fork a "
+            "new training row; use TRL 1.15's lfm2_2_5_chat_template")
     for message, sampled in TURNS:
         rendered = render([*history, message, {"role": "tool", "content": "3 data.csv"}])
-        if not rendered.startswith(prompt + sampled + END):
+        if not rendered.startswith(f"{prompt}{sampled}<|im_end|>"):
             back = rendered[len(prompt) - 20 :][:160]
             raise ChatTemplateError(
                 f"the chat template renders the assistant turn {sampled!r} back as {back!r}: the next prompt would "
@@ -57,23 +54,19 @@ def check(template: str) -> None:
 
 
 def template_text() -> str:
-    """TRL's template file, found without importing trl (a minute of CPU on a loaded machine, on serve_policy.sh's
-    path to vLLM's start)."""
+    """TRL's template file, found without importing trl (a minute of CPU, on serve_policy.sh's path to vLLM)."""
     spec = importlib.util.find_spec("trl")
-    if spec is None or not spec.submodule_search_locations:
-        raise ChatTemplateError("trl is not installed: install the recipe's pins (`python3 recipe.py --requirements`; "
-                                "trl 1.15.0 ships the template)")
-    path = Path(next(iter(spec.submodule_search_locations))) / "chat_templates" / TRL_TEMPLATE_FILE
-    if not path.is_file():
-        raise ChatTemplateError(f"trl has no chat_templates/{TRL_TEMPLATE_FILE}: install the recipe's trl "
-                                "(recipe.JOB_REQUIREMENTS)")
+    folders = spec.submodule_search_locations if spec else None
+    path = Path(next(iter(folders)), "chat_templates", TRL_TEMPLATE_FILE) if folders else None
+    if path is None or not path.is_file():
+        raise ChatTemplateError(f"no trl with chat_templates/{TRL_TEMPLATE_FILE}: install the recipe's pins "
+                                "(`python3 recipe.py --requirements`; trl 1.15.0 ships the template)")
     return path.read_text(encoding="utf-8")
 
 
 def chat_template() -> str:
     """TRL 1.15's LFM2.5 chat template, checked prefix-stable."""
-    text = template_text()
-    check(text)
+    check(text := template_text())
     return text
 
 

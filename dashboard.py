@@ -1,9 +1,6 @@
-"""Where a run's metrics go: the reporter knob, Trackio project and run names, the private dashboard Space.
-
-A dashboard never fails a run: when the Space cannot be reached or created, Trackio logs on the machine and one line
-says so; no Space gets the job's token (docs/training.md, Dashboard). Imports nothing heavy (launch.py runs it in
-its own small environment); Trackio is imported when a run starts.
-"""
+"""Where a run's metrics go: Trackio project and run names, the private dashboard Space, or (never failing the run)
+local logs and one line saying so; no Space gets the job's token (docs/training.md, Dashboard). Imports nothing heavy:
+launch.py runs it in its own small environment."""
 
 from __future__ import annotations
 
@@ -11,7 +8,7 @@ import contextlib
 import re
 import time
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
 import recipe
@@ -60,18 +57,17 @@ def _no_token_in_the_space() -> Iterator[None]:
     job's write token) and its MCP server are dropped, every other secret and variable goes through."""
     import huggingface_hub
 
-    dropped = {"add_space_secret": "HF_TOKEN", "add_space_variable": "GRADIO_MCP_SERVER"}
-    real = {name: getattr(huggingface_hub, name) for name in dropped}
+    real = {name: getattr(huggingface_hub, name) for name in ("add_space_secret", "add_space_variable")}
 
-    def guard(name: str) -> Any:
-        def add(repo_id: str, key: str, value: str, **kwargs: Any) -> None:
-            if key != dropped[name]:
-                real[name](repo_id, key, value, **kwargs)
-        return add
+    def guarded(add: Callable[..., None]) -> Callable[..., None]:
+        def call(repo_id: str, key: str, *args: Any, **kwargs: Any) -> None:
+            if key not in ("HF_TOKEN", "GRADIO_MCP_SERVER"):
+                add(repo_id, key, *args, **kwargs)
+        return call
 
     try:
-        for name in dropped:
-            setattr(huggingface_hub, name, guard(name))
+        for name, add in real.items():
+            setattr(huggingface_hub, name, guarded(add))
         yield
     finally:
         for name, function in real.items():
@@ -85,59 +81,57 @@ def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[st
     import trackio
     from trackio.utils import TRACKIO_DIR
 
-    why, local = "no dashboard Space (DASHBOARD_SPACE=local)", False
-    if space_id:
-        try:
-            with warnings.catch_warnings(record=True) as caught, _no_token_in_the_space():
-                warnings.simplefilter("always")
-                trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
-                             config=config)
-        except Exception as error:  # noqa: BLE001 - offline, no rights, Hub down: log locally, never fail the run
-            why = f"Space {space_id} unavailable ({_redacted(f'{type(error).__name__}: {error}', env)}): no dashboard"
-        else:
-            refused = next((str(w.message) for w in caught if _SPACE_NOT_PREPARED in str(w.message)), None)
-            for w in caught:
-                if str(w.message) != refused:
-                    warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
-            space, local = trackio.context_vars.current_space_id.get(), True
-            if refused is None:
-                print(f"dashboard: {SPACE_URL.format(space)} (project {project_name}, run {name})", flush=True)
-                return SPACE_URL.format(space)
+    why = "no dashboard Space (DASHBOARD_SPACE=local)"
+    try:
+        with warnings.catch_warnings(record=True) as caught, _no_token_in_the_space():
+            warnings.simplefilter("always")
+            trackio.init(project=project_name, name=name, space_id=space_id, private=True, resume="allow",
+                         config=config)
+    except Exception as error:  # noqa: BLE001 - offline, no rights, Hub down: log locally, never fail the run
+        why = f"Space {space_id} unavailable ({_redacted(f'{type(error).__name__}: {error}', env)}): no dashboard"
+        trackio.init(project=project_name, name=name, resume="allow", config=config)
+    else:
+        refused = next((str(w.message) for w in caught if _SPACE_NOT_PREPARED in str(w.message)), None)
+        for w in caught:
+            if str(w.message) != refused:
+                warnings.warn_explicit(w.message, w.category, w.filename, w.lineno)
+        space = trackio.context_vars.current_space_id.get()
+        if space_id and refused is None:
+            print(f"dashboard: {SPACE_URL.format(space)} (project {project_name}, run {name})", flush=True)
+            return SPACE_URL.format(space)
+        if refused:
             reason = _redacted(refused.split(": ", 1)[-1].split(". Logging will continue")[0], env)
             why = (f"Trackio could not create Space {space} ({reason}; give HF_TOKEN the right to create it, or set "
                    "DASHBOARD_SPACE=local): no dashboard")
-    if not local:
-        trackio.init(project=project_name, name=name, resume="allow", config=config)
     print(f"dashboard: {why}: metrics are logged locally to {TRACKIO_DIR}, lost when the job ends unless copied "
           f"(project {project_name}, run {name}; view with `trackio show --project {project_name}`)", flush=True)
     return None
 
 
 class EvalDashboard:
-    """Eval points for the adapter repo's Trackio project; a failure is said once and never stops the eval."""
+    """Eval points for the adapter repo's Trackio project, started at the first; a failure is said once and never
+    stops the eval."""
 
     def __init__(self, adapter_repo: str, kind: str, env: Mapping[str, str]) -> None:
-        self.project, self.name, self.space = project(adapter_repo), run_name(kind, env), space(env)
-        self.env = dict(env)
-        self.started = self.broken = False
+        self.run, self.env, self.state = (project(adapter_repo), run_name(kind, env), space(env)), dict(env), "new"
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self.broken:
+        if self.state == "broken":
             return
         try:
             import trackio
 
-            if not self.started:
-                init_run(self.project, self.name, self.space, self.env)
-                self.started = True
+            if self.state == "new":
+                init_run(*self.run, self.env)
+                self.state = "started"
             trackio.log(metrics, step=step)
         except Exception as error:  # noqa: BLE001 - the eval's own results files are what matter
-            self.broken = True
+            self.state = "broken"
             print(f"dashboard: eval logging stopped ({type(error).__name__}: {_redacted(str(error), self.env)}); "
                   "results still go to the adapter repo", flush=True)
 
     def finish(self) -> None:
-        if self.started and not self.broken:
+        if self.state == "started":
             import trackio
 
             trackio.finish()

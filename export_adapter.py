@@ -1,12 +1,8 @@
-r"""Publish a trained adapter (the final one or a checkpoint-N) with a model card; optionally a merged full model.
+"""Publish a trained adapter (final or checkpoint-N) with its model card, and with --merged a merged full model.
 
     .venv/bin/python export_adapter.py --source you/LFM2.5-2.6B-opencode-lora-RL --target you/LFM2.5-2.6B-opencode-lora
-    .venv/bin/python export_adapter.py --source you/LFM2.5-2.6B-opencode-lora-RL --checkpoint checkpoint-500 --merged \
-        --target you/LFM2.5-2.6B-opencode-lora-step500     # also pushes you/LFM2.5-2.6B-opencode-lora-step500-merged
-    .venv/bin/python export_adapter.py --source ./run --target you/x --local-dir out/   # out/adapter (+ out/merged)
 
-`--source` is the training repo, or a local folder with its layout. The card's eval table comes from the source's
-eval/final_results.json (eval/checkpoint-N_full_results.json for a checkpoint) when present.
+Flags and checks: docs/jobs.md (export_adapter.py).
 """
 
 from __future__ import annotations
@@ -27,11 +23,9 @@ import recipe
 from chat_template import chat_template
 from recipe import ConfigError
 
-SCRIPT = "export_adapter.py"
-
 
 def checked_args(args: argparse.Namespace) -> None:
-    """Names well-formed before anything is downloaded, merged or pushed."""
+    """Names well-formed before anything is downloaded, merged or pushed; fills in the merged model's repo."""
     recipe.checkpoint_arg(args.checkpoint, "CHECKPOINT")
     if not args.source:
         raise ConfigError("--source is not set: pass the training repo id (or ADAPTER_REPO=you/...) or a folder")
@@ -43,22 +37,22 @@ def checked_args(args: argparse.Namespace) -> None:
     if args.merged_target and not args.merged:
         raise ConfigError(f"--merged-target={args.merged_target!r} (or MERGED_REPO) is set without --merged: "
                           "add --merged to publish the merged model there too, or drop it")
-    if args.merged:  # its default, <target>-merged, may be too long where the target is not: pass --merged-target
-        recipe.require_repo_id(merged_repo(args), "--merged-target")
-    for flag, repo in [("--target", args.target)] + ([("--merged-target", merged_repo(args))] if args.merged else []):
-        if repo.casefold() == args.source.casefold():  # the Hub resolves repo ids case-insensitively
+    if args.merged:  # its own repo, so `from_pretrained(repo)` and `vllm serve repo` just work
+        args.merged_target = args.merged_target or f"{args.target}-merged"
+        recipe.require_repo_id(args.merged_target, "--merged-target")  # the default may be too long for the Hub
+    for flag, repo in (("--target", args.target), ("--merged-target", args.merged_target)):
+        if repo and repo.casefold() == args.source.casefold():  # the Hub resolves repo ids case-insensitively
             raise ConfigError(f"{flag}={repo} is the training repo (--source {args.source}): publish to another "
                               "repo; pushing there would replace its final adapter and card")
 
 
-def merged_repo(args: argparse.Namespace) -> str:
-    """The merged model's own repo, so `from_pretrained(repo)` and `vllm serve repo` just work."""
-    return args.merged_target or f"{args.target}-merged"
-
-
 def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[str, Any] | None, int | None]:
-    """The adapter folder, its eval results document and the optimizer steps it was trained for (None: not there)."""
-    source = Path(args.source)
+    """The adapter folder, its eval results document and the optimizer steps it was trained for (None: not there).
+
+    checkpoint-N is named by the trainer's global step; the final adapter's steps are its run's last checkpoint's
+    (the trainer always saves one at its last step: a 20-step smoke run's final adapter has 20, not MAX_STEPS).
+    """
+    source, results = Path(args.source), adapter_repo.full_results_path(args.checkpoint)
     if source.is_dir():
         files = [p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()]
         adapter = source / adapter_repo.adapter_folder(args.checkpoint)
@@ -67,35 +61,20 @@ def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[st
                               f"{' + '.join(adapter_repo.ADAPTER_FILES)}, and for a checkpoint also its completion "
                               f"marker {adapter_repo.COMPLETE_MARKER}): point --source at the training output or a "
                               "full download of its repo")
-
-        def read(path: str) -> dict[str, Any] | None:
-            return json.loads((source / path).read_text()) if (source / path).is_file() else None
+        doc = json.loads((source / results).read_text()) if (source / results).is_file() else None
     else:
         adapter = adapter_repo.download_adapter(api, args.source, args.checkpoint, dest)
         files = api.list_repo_files(args.source)
-
-        def read(path: str) -> dict[str, Any] | None:
-            return adapter_repo.read_json(api, args.source, path)
-
-    return adapter, read(adapter_repo.full_results_path(args.checkpoint)), trained_steps(files, args.checkpoint, read)
-
-
-def trained_steps(files: list[str], checkpoint: str, read: Callable[[str], dict[str, Any] | None]) -> int | None:
-    """global_step in the checkpoint's trainer_state.json; the final adapter's is its run's last checkpoint's (the
-    trainer always saves one at its last step: a 20-step smoke run's final adapter has 20, not the recipe's 1000)."""
+        doc = adapter_repo.read_json(api, args.source, results)
     steps = adapter_repo.complete_checkpoints(files)
-    if checkpoint != adapter_repo.FINAL:
-        step = int(checkpoint.removeprefix(adapter_repo.CHECKPOINT_PREFIX))
-    elif steps:
-        step = steps[-1]
-    else:
-        return None
-    state = read(f"{adapter_repo.checkpoint_name(step)}/trainer_state.json") or {}
-    return int(state.get("global_step", step))
+    if args.checkpoint != adapter_repo.FINAL:
+        steps = [int(args.checkpoint.removeprefix(adapter_repo.CHECKPOINT_PREFIX))]
+    return adapter, doc, steps[-1] if steps else None
 
 
-def checked_adapter(adapter: Path) -> None:
-    """Refused unless it is the recipe's LoRA: the card describes the recipe."""
+def write_adapter(adapter: Path, out: Path, card: str, results: dict[str, Any] | None, checkpoint: str) -> None:
+    """Only the recipe's LoRA (the card describes the recipe): its weights, the config pointing at the real base model
+    id, the chat template it was trained with (the base repo's differs), the card and the eval results."""
     config = json.loads((adapter / "adapter_config.json").read_text())
     want = {"peft_type": "LORA", "r": recipe.LORA_R, "lora_alpha": recipe.LORA_ALPHA,
             "target_modules": sorted(recipe.LORA_TARGET_MODULES)}
@@ -104,14 +83,8 @@ def checked_adapter(adapter: Path) -> None:
         diff = ", ".join(f"{k}={found[k]!r} (recipe {want[k]!r})" for k in want if found[k] != want[k])
         raise ConfigError(f"{adapter} is not the recipe's adapter: {diff}; export the adapter this recipe trained, "
                           "or update recipe.py to match it")
-
-
-def write_adapter(adapter: Path, out: Path, card: str, results: dict[str, Any] | None, checkpoint: str) -> None:
-    """Weights, the config pointing at the real base model id, the chat template it was trained with (the base
-    repo's differs), the card and the eval results."""
     out.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(adapter / "adapter_model.safetensors", out / "adapter_model.safetensors")
-    config = json.loads((adapter / "adapter_config.json").read_text())
     config["base_model_name_or_path"] = recipe.BASE_MODEL
     (out / "adapter_config.json").write_text(json.dumps(config, indent=2) + "\n")
     (out / model_cards.CHAT_TEMPLATE_FILE).write_text(chat_template())
@@ -147,17 +120,14 @@ def base_revision(base_model: str) -> str | None:
 def write(args: argparse.Namespace, api: Any, source: Path, out: Path) -> None:
     """Fetch and check the adapter, then write it (and the merged model) with their cards under `out`."""
     adapter, doc, steps = fetch(args, api, source)
-    checked_adapter(adapter)
-    ok = doc and doc.get("complete") and doc.get("summary") and doc.get("checkpoint") == args.checkpoint
-    results = doc if ok else None
+    results = doc if doc and doc.get("complete") else None  # its file is the checkpoint's own, by name
     if doc and not results:
-        print(f"eval results for {args.checkpoint} are incomplete or for another checkpoint: card has no eval table",
-              file=sys.stderr)
+        print(f"the eval of {args.checkpoint} is unfinished: the card has no eval table", file=sys.stderr)
     size_mb = (adapter / "adapter_model.safetensors").stat().st_size / 1e6
     card = model_cards.published_card(args.target, args.checkpoint, steps, results, False, size_mb)
     write_adapter(adapter, out / "adapter", card, results, args.checkpoint)
     if args.merged:
-        card = model_cards.published_card(merged_repo(args), args.checkpoint, steps, results, True, size_mb)
+        card = model_cards.published_card(args.merged_target, args.checkpoint, steps, results, True, size_mb)
         write_merged(args.base_model, out / "adapter", out / "merged", card, args.merged_dtype)
 
 
@@ -180,8 +150,7 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
     parser.add_argument("--local-dir", default=env.get("LOCAL_DIR"),
                         help="write DIR/adapter (and DIR/merged) instead of pushing (env LOCAL_DIR)")
     parser.add_argument("--private", action="store_true", help="create the target repo(s) private")
-    parser.add_argument("--dry-run", action="store_true", help="check the inputs, print what would be published as "
-                                                                "JSON; download, merge and push nothing")
+    parser.add_argument("--dry-run", action="store_true", help="check the inputs, print the plan as JSON, do nothing")
     return parser.parse_args(argv)
 
 
@@ -191,7 +160,7 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
     """CLI entry point; tests inject the environment, a Hub double and the stored-token lookup."""
     env = dict(os.environ if env is None else env)
     args = parse_args(argv, env)
-    return adapter_repo.run_cli(SCRIPT, lambda: export(args, env, make_api, stored_token), env)
+    return adapter_repo.run_cli("export_adapter.py", lambda: export(args, env, make_api, stored_token), env)
 
 
 def export(args: argparse.Namespace, env: dict[str, str], make_api: Callable[[str | None], Any] | None,
@@ -205,7 +174,7 @@ def export(args: argparse.Namespace, env: dict[str, str], make_api: Callable[[st
     token = env.get("HF_TOKEN", "").strip() or (stored_token or huggingface_hub.get_token)()
     if not args.local_dir and not token:
         raise ConfigError("pushing needs a write token: export HF_TOKEN=hf_... or run `hf auth login`")
-    repos = [(args.target, "adapter")] + ([(merged_repo(args), "merged")] if args.merged else [])
+    repos = [(args.target, "adapter")] + ([(args.merged_target, "merged")] if args.merged else [])
     if args.dry_run:
         revision = base_revision(args.base_model)
         print(json.dumps({"source": args.source, "checkpoint": args.checkpoint,

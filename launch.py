@@ -141,7 +141,7 @@ def check_bundle(bundle: Path, mode: str) -> list[str]:
         raise recipe.ConfigError(f"--bundle-dir {bundle} is not a folder: point --bundle-dir (or BUNDLE_DIR) at a "
                                  f"checkout of {PROJECT}, or leave it unset to upload this one")
     lists = {split: prepare_tasks.load_list(bundle / "data", split) for split in prepare_tasks.SPLITS}
-    prepare_tasks.check_lists(lists, prepare_tasks.Counts())
+    prepare_tasks.check_lists(lists)
     files = bundle_files(bundle)
     if missing := sorted({MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES} - set(files)):
         raise recipe.ConfigError(f"the bundle in {bundle} lacks {', '.join(missing)}: run launch.py from a full "

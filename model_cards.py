@@ -1,18 +1,14 @@
-"""The two model cards: the training repo's (train_lora.py) and the published one (export_adapter.py).
-
-Metadata is `huggingface_hub.ModelCardData` / `EvalResult`, never hand-written YAML, and every value is read from
-recipe.py or the run, never retyped; docs/training.md says what the Hub reads of it.
+"""The training repo's model card (train_lora.py) and the published one (export_adapter.py): every value from
+recipe.py or the run, the metadata through huggingface_hub's ModelCardData (docs/training.md says what the Hub reads).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import recipe
 
-LICENSE_LINK = f"https://huggingface.co/{recipe.BASE_MODEL}/blob/main/LICENSE"
-TAGS = ["lora", "peft", "grpo", "trl", "reinforcement-learning", "agent", "opencode", "lfm2"]
 CHAT_TEMPLATE_FILE = "chat_template.jinja"  # chat_template.py's template, under the name transformers saves it as
 HOW = ("trained with async GRPO inside the unmodified OpenCode agent harness: each rollout runs OpenCode on a "
        "data-analysis task in its own sandbox, a verifier grades the answer, and the adapter learns from the exact "
@@ -21,61 +17,59 @@ HOW = ("trained with async GRPO inside the unmodified OpenCode agent harness: ea
 
 def card_data(*, merged: bool = False, model_name: str | None = None, results: dict[str, Any] | None = None,
               dashboard_url: str | None = None) -> Any:
-    """Base model, library, license, tags, datasets, the model-index of a finished eval (+ informational revisions)."""
+    """Base model, library, license, tags, datasets (+ informational revisions), a finished eval's model-index."""
     from huggingface_hub import EvalResult, ModelCardData
 
-    tags = TAGS + (["merged-lora"] if merged else [])
-    if dashboard_url:  # what transformers' Trackio callback adds: the Hub shows the Space under "Training metrics"
+    tags = ["lora", "peft", "grpo", "trl", "reinforcement-learning", "agent", "opencode", "lfm2"]
+    tags += ["merged-lora"] if merged else []
+    if dashboard_url:  # as transformers' Trackio callback tags it: the Hub shows the Space under "Training metrics"
         tags += ["trackio", f"trackio:{dashboard_url}"]
-    evals = None
-    if results and results["summary"]["adapter"]["pass_at_1"] is not None:
-        adapter = results["summary"]["adapter"]
-        low, high = adapter["ci95"]
-        evals = [EvalResult(
-            task_type="text-generation", task_name="Agentic data analysis in OpenCode",
-            dataset_type=results.get("dataset", recipe.TEST_DATASET),
-            dataset_name="SmolDataEnvs Harbor (held-out test tasks)", dataset_split="test",
-            dataset_revision=results.get("dataset_revision", recipe.TEST_REVISION), metric_type="pass@1",
-            metric_name="pass@1", metric_value=adapter["pass_at_1"],
-            metric_args={"scored": adapter["scored"], "correct": adapter["correct"],
-                         "unscorable": adapter["unscorable"], "ci95_low": low, "ci95_high": high})]
+    adapter = results["summary"]["adapter"] if results else {}
+    evals = [EvalResult(
+        task_type="text-generation", task_name="Agentic data analysis in OpenCode", dataset_type=results["dataset"],
+        dataset_name="SmolDataEnvs Harbor (held-out test tasks)", dataset_split="test",
+        dataset_revision=results["dataset_revision"], metric_type="pass@1", metric_name="pass@1",
+        metric_value=adapter["pass_at_1"],
+        metric_args={**{k: adapter[k] for k in ("scored", "correct", "unscorable")},
+                     "ci95_low": adapter["ci95"][0], "ci95_high": adapter["ci95"][1]},
+    )] if results and adapter["pass_at_1"] is not None else None
     return ModelCardData(
         base_model=recipe.BASE_MODEL, base_model_relation="finetune" if merged else "adapter",
         base_model_revision=recipe.BASE_MODEL_REVISION, library_name="transformers" if merged else "peft",
-        license="other", license_name="lfm1.0", license_link=LICENSE_LINK, pipeline_tag="text-generation",
-        tags=tags, datasets=[recipe.TRAIN_DATASET, recipe.TEST_DATASET],
+        license="other", license_name="lfm1.0", pipeline_tag="text-generation", tags=tags,
+        license_link=f"https://huggingface.co/{recipe.BASE_MODEL}/blob/main/LICENSE",
+        datasets=[recipe.TRAIN_DATASET, recipe.TEST_DATASET],
         dataset_revisions={recipe.TRAIN_DATASET: recipe.TRAIN_REVISION, recipe.TEST_DATASET: recipe.TEST_REVISION},
         model_name=model_name if results else None, eval_results=evals)
 
 
-def recipe_rows(checkpoint: str, steps: int | None, learning_rate: float | None = None) -> list[tuple[str, str]]:
-    """How it was trained: recipe.py's values and the run's (its steps, and its learning rate where known)."""
-    r = recipe
-    pins = r.pinned_versions()
+def recipe_rows(checkpoint: str, steps: int | None, run: Mapping[str, Any] | None = None) -> list[tuple[str, str]]:
+    """How it was trained: recipe.py's values, and the run's own knobs from its resolved config where known."""
+    r, pins = recipe, recipe.pinned_versions()
     stack = ", ".join(f"`{name}{pins[name]}`" for name in ("trl", "transformers", "peft", "openenv") if name in pins)
+
+    def knob(key: str, default: float) -> str:
+        return f"{run[key]:g}" if run else f"{default:g} (the recipe default)"
+
     return [
         ("Base model", f"`{r.BASE_MODEL}` (revision `{r.BASE_MODEL_REVISION}`)"),
         ("Algorithm", "async GRPO: TRL `AsyncGRPOTrainer` + `HarnessRolloutWorker`, agent loop owned by OpenCode"),
         ("LoRA", f"r={r.LORA_R}, alpha={r.LORA_ALPHA}, dropout {r.LORA_DROPOUT}, targets "
                  f"`{', '.join(r.LORA_TARGET_MODULES)}` (short-conv projections left out)"),
-        ("Optimizer steps", f"{steps if steps is not None else 'not recorded (no checkpoint in the source)'}; "
+        ("Optimizer steps", f"{'not recorded (no checkpoint in the source)' if steps is None else steps}; "
                             f"this adapter: `{checkpoint}`"),
         ("GRPO group", f"{r.NUM_GENERATIONS} rollouts of one task, scored against each other"),
         ("Optimizer step", f"{r.NUM_GENERATIONS} training rows: one GRPO group of {r.NUM_GENERATIONS} rollouts only "
-                           "when each rollout is one row (the run's `rollout/samples_per_rollout` = 1); a rollout "
-                           "whose capture forked is several rows, so its step trains part of a group"),
-        ("Learning rate", f"{learning_rate or r.LEARNING_RATE:g}{'' if learning_rate else ' (the recipe default)'}, "
-                          "constant; the recipe's lineage fine-tuned the full model at 3e-6, and LoRA is commonly run "
-                          "~10x higher than full fine-tuning since its update B @ A starts from zero"),
-        ("Sampling", f"temperature {r.TEMPERATURE}, top_p {r.TOP_P}, top_k {r.TOP_K} (disabled): full vocabulary"),
-        ("Output cap", f"{r.MAX_TOKENS} tokens per model call, same in training and eval"),
-        ("Agent budget", f"{r.MAX_TOOL_CALLING_ITERATIONS} model calls per rollout"),
-        ("Max staleness", f"{r.MAX_STALENESS} optimizer steps"),
+                           "when each rollout is one row (the run's `rollout/samples_per_rollout` = 1)"),
+        ("Learning rate", f"{knob('learning_rate', r.LEARNING_RATE)}, constant"),
+        ("Sampling", f"temperature {r.TEMPERATURE}, top_p {r.TOP_P}, top_k {r.TOP_K} (full vocabulary); at most "
+                     f"{r.MAX_TOKENS} tokens per model call and {r.MAX_TOOL_CALLING_ITERATIONS} model calls per "
+                     "rollout, same in training and eval"),
+        ("Max staleness", f"{knob('max_staleness', r.MAX_STALENESS)} optimizer steps"),
         ("Reward", f"`{r.CORRECT_REWARD} × env_reward + {r.TOOL_BONUS} × max(0, ({r.TOOL_BUDGET} − tool_calls) / "
                    f"{r.TOOL_BUDGET})`, the bonus on correct answers only"),
-        ("Train tasks", f"`{r.TRAIN_DATASET}` @ `{r.TRAIN_REVISION}`: {r.TRAIN_MEDIUM} medium + {r.TRAIN_HARD} hard"),
-        ("Test tasks", f"`{r.TEST_DATASET}` @ `{r.TEST_REVISION}`: {r.TEST_TASKS} held out (no shared notebook "
-                       "or question)"),
+        ("Tasks", f"train `{r.TRAIN_DATASET}` @ `{r.TRAIN_REVISION}`: {r.TRAIN_MEDIUM} medium + {r.TRAIN_HARD} hard; "
+                  f"test `{r.TEST_DATASET}` @ `{r.TEST_REVISION}`: {r.TEST_TASKS} held out"),
         ("Precision", f"trainer {r.TRAINER_DTYPE} (frozen base + LoRA), vLLM serves {r.SERVE_DTYPE}"),
         ("Hardware", f"HF Jobs `{r.TRAIN_FLAVOR}` (trainer GPU {r.TRAINER_GPU}, vLLM GPU {r.VLLM_GPU}); one "
                      f"`{r.knob('SANDBOX')}` sandbox per rollout ({r.TASK_CPUS} CPU / {r.TASK_MEMORY_MB} MB)"),
@@ -84,25 +78,24 @@ def recipe_rows(checkpoint: str, steps: int | None, learning_rate: float | None 
 
 
 def card(data: Any, repo: str, intro: list[str], checkpoint: str, steps: int | None,
-         learning_rate: float | None = None, sections: Sequence[str] = ()) -> str:
+         run: Mapping[str, Any] | None = None, sections: Sequence[str] = ()) -> str:
     """README.md: the metadata, the title, `intro`'s paragraphs, how it was trained, then `sections`."""
-    rows = recipe_rows(checkpoint, steps, learning_rate)
+    rows = recipe_rows(checkpoint, steps, run)
     return "\n".join([f"---\n{data.to_yaml()}\n---\n", f"# {repo.split('/')[-1]}", "",
                       *(line for paragraph in intro for line in (paragraph, "")), "## How it was trained", "",
                       "| Knob | Value |", "|---|---|", *(f"| {k} | {v} |" for k, v in rows), "", *sections])
 
 
-def training_card(adapter_repo: str, steps: int, dashboard_url: str | None, learning_rate: float | None = None) -> str:
-    """The training repo's: what it holds, where the run's curves are, how it was trained."""
+def training_card(adapter_repo: str, steps: int, dashboard_url: str | None, run: Mapping[str, Any]) -> str:
+    """The training repo's: what it holds, where its curves are, how it was trained (`run`: its resolved config)."""
     name = adapter_repo.split("/")[-1]
     return card(card_data(dashboard_url=dashboard_url), adapter_repo, [
         f"The training repo of a LoRA adapter for `{recipe.BASE_MODEL}` ({steps} optimizer steps), {HOW}. The final "
-        "adapter is at the root, each `checkpoint-N/` holds a resumable checkpoint, and `eval/` the per-checkpoint "
-        "and final evaluations (`eval/learning_curve.png`, `eval/summary.json`, `eval/final_results.json`).",
+        "adapter is at the root, each `checkpoint-N/` holds a resumable checkpoint, and `eval/` the evaluations.",
         f"Training and eval curves: [Trackio dashboard]({dashboard_url}) (project `{name}`)." if dashboard_url else
         f"Training and eval curves were logged to Trackio locally (project `{name}`), not to a Space.",
-        f"Publish it with its eval table and `model-index`: `python export_adapter.py --source {adapter_repo} "
-        "--target <you>/<name>`."], "final", steps, learning_rate)
+        f"Publish it with its eval table: `python export_adapter.py --source {adapter_repo} --target <you>/<name>`."],
+        "final", steps, run)
 
 
 def _pct(value: float | None) -> str:
@@ -114,11 +107,9 @@ def eval_section(doc: dict[str, Any]) -> list[str]:
     base, adapter, paired = doc["summary"]["base"], doc["summary"]["adapter"], doc["summary"]["paired"]
     lines = [
         "## Evaluation", "",
-        f"pass@1 on the held-out test tasks (`{doc.get('dataset', recipe.TEST_DATASET)}` @ "
-        f"`{doc.get('dataset_revision', recipe.TEST_REVISION)}`), base model vs this adapter, same harness, "
-        "sampling, output cap and agent budget. Unscorable cells (infrastructure failures) are left out of the "
-        "denominators and counted apart.", "",
-        "| | Base | Adapter |", "|---|---|---|",
+        f"pass@1 on the held-out test tasks (`{doc['dataset']}` @ `{doc['dataset_revision']}`), base model vs this "
+        "adapter, same harness, sampling and budgets; unscorable cells (infrastructure failures) are counted apart.",
+        "", "| | Base | Adapter |", "|---|---|---|",
         f"| pass@1 | {_pct(base['pass_at_1'])} ({base['correct']}/{base['scored']}) | "
         f"{_pct(adapter['pass_at_1'])} ({adapter['correct']}/{adapter['scored']}) |",
         f"| unscorable | {base['unscorable']} | {adapter['unscorable']} |", ""]
@@ -132,33 +123,28 @@ def eval_section(doc: dict[str, Any]) -> list[str]:
 
 
 def usage_section(target: str, merged: bool) -> list[str]:
-    """transformers (+PEFT) and vLLM (tool-call flags included: OpenCode sends `tool_choice=auto`)."""
-    tools, rev = "--enable-auto-tool-choice --tool-call-parser lfm2", recipe.BASE_MODEL_REVISION
-    if merged:
-        imports = "from transformers import AutoModelForCausalLM, AutoTokenizer"
-        load = (f'model = AutoModelForCausalLM.from_pretrained("{target}", dtype="bfloat16")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{target}")')
-        serve, notes = f"vllm serve {target} {tools}", []
-    else:  # the base at the revision the adapter was trained on, never whatever `main` is later, and its template
+    """transformers (+PEFT) and vLLM; the adapter's load the base at its trained revision, with the run's template."""
+    rev, base = recipe.BASE_MODEL_REVISION, recipe.BASE_MODEL
+    tools = "--enable-auto-tool-choice --tool-call-parser lfm2"  # OpenCode sends tool_choice=auto
+    imports, notes = "from transformers import AutoModelForCausalLM, AutoTokenizer", []
+    load = (f'model = AutoModelForCausalLM.from_pretrained("{target}", dtype="bfloat16")\n'
+            f'tokenizer = AutoTokenizer.from_pretrained("{target}")')
+    serve = f"vllm serve {target} {tools}"
+    if not merged:
         imports = ("from pathlib import Path\n\nfrom huggingface_hub import hf_hub_download\n"
-                   "from peft import PeftModel\nfrom transformers import AutoModelForCausalLM, AutoTokenizer")
-        load = (f'base = AutoModelForCausalLM.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}", '
-                'dtype="bfloat16")\n'
+                   f"from peft import PeftModel\n{imports}")
+        load = (f'base = AutoModelForCausalLM.from_pretrained("{base}", revision="{rev}", dtype="bfloat16")\n'
                 f'model = PeftModel.from_pretrained(base, "{target}")\n'
-                f'tokenizer = AutoTokenizer.from_pretrained("{recipe.BASE_MODEL}", revision="{rev}")\n'
+                f'tokenizer = AutoTokenizer.from_pretrained("{base}", revision="{rev}")\n'
                 f'tokenizer.chat_template = Path(hf_hub_download("{target}", "{CHAT_TEMPLATE_FILE}")).read_text()')
-        serve = (f"hf download {target} {CHAT_TEMPLATE_FILE} --local-dir .\n"
-                 f"vllm serve {recipe.BASE_MODEL} --revision {rev} --tokenizer-revision {rev} --enable-lora "
-                 f"--max-lora-rank {recipe.LORA_R} --lora-modules {recipe.ADAPTER_SERVED_NAME}={target} {tools} "
-                 f"--chat-template {CHAT_TEMPLATE_FILE}")
-        notes = [f"`{CHAT_TEMPLATE_FILE}` in this repo is the chat template the adapter was trained and served with "
-                 "(TRL's LFM2.5 template); the base repo's own differs (it opens `<think>` in the generation prompt): "
-                 "set it on the tokenizer and pass it to vLLM, as above.", "",
-                 f"The base model's revision is recorded in `adapter_config.json` (`revision`: `{rev}`), where PEFT's "
-                 "`AutoPeftModelForCausalLM` reads it to load the base; the Hub reads the metadata's `base_model` as "
-                 "a repo id only.", ""]
+        serve = (f"hf download {target} {CHAT_TEMPLATE_FILE} --local-dir .\nvllm serve {base} --revision {rev} "
+                 f"--tokenizer-revision {rev} --enable-lora --max-lora-rank {recipe.LORA_R} --lora-modules "
+                 f"{recipe.ADAPTER_SERVED_NAME}={target} {tools} --chat-template {CHAT_TEMPLATE_FILE}")
+        notes = [f"`{CHAT_TEMPLATE_FILE}` is the chat template the adapter was trained and served with (the base "
+                 "repo's own opens `<think>` in the generation prompt). The base revision is recorded in "
+                 f"`adapter_config.json` (`revision`: `{rev}`), where PEFT's `AutoPeftModelForCausalLM` reads it.", ""]
     return ["## Use it", "", "With transformers:", "", "```python", imports, "", load, "```", "",
-            "With vLLM (OpenAI-compatible server; OpenCode sends `tool_choice=auto`, so keep the tool-call flags):", "",
+            "With vLLM (OpenCode sends `tool_choice=auto`, so keep the tool-call flags):", "",
             "```bash", serve, "```", "", *notes]
 
 

@@ -1,10 +1,7 @@
-"""Materialize the recipe's pinned SmolDataEnvs Harbor tasks: exactly those data/train.json and data/test.json list.
+"""Materialize the recipe's pinned SmolDataEnvs Harbor tasks: exactly those data/train.json and data/test.json list,
+checked, into OUT/<split>/tasks/ with the task image, CPUs and memory patched in (docs/tasks.md has the details).
 
     python3 prepare_tasks.py [--out DIR] [--split train|test|all] [--train-source DIR] [--test-source DIR]
-
-Checks both lists, takes each split from a local snapshot or the pinned Hub revision (only the listed task
-folders), checks every instruction's and grader's SHA-256, then writes OUT/<split>/tasks/<name>/ with the task
-image, CPUs and memory in task.toml's [environment], and OUT/<split>/manifest.json. docs/tasks.md has the details.
 """
 
 from __future__ import annotations
@@ -18,14 +15,13 @@ import shutil
 import sys
 import tomllib
 from collections import Counter
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import tomli_w
 
+import adapter_repo
 import recipe
-from adapter_repo import describe
 from recipe import ConfigError
 
 DATA_DIR = Path(__file__).resolve().parent / "data"  # the committed task lists (data/README.md)
@@ -36,15 +32,6 @@ PROGRESS_EVERY = 100  # tasks between progress lines on stderr, so 1,250 folders
 RESTORE = "restore the recipe's lists with `git checkout -- data`"
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 _SHA256 = re.compile(r"^[0-9a-f]{64}$")
-
-
-@dataclass(frozen=True)
-class Counts:
-    """How many tasks each list holds; the recipe's numbers unless a test shrinks them."""
-
-    medium: int = recipe.TRAIN_MEDIUM
-    hard: int = recipe.TRAIN_HARD
-    test: int = recipe.TEST_TASKS
 
 
 def progress(what: str, done: int, total: int) -> None:
@@ -86,19 +73,19 @@ def check_rows(rows: list[Any], split: str) -> None:
             raise ConfigError(f"{where} lists task {name} {n} times: remove the duplicate or {RESTORE}")
 
 
-def check_lists(lists: dict[str, list[Any]], counts: Counts = Counts()) -> None:
+def check_lists(lists: dict[str, list[Any]]) -> None:
     """Rows well-formed, the recipe's counts, and no train task sharing a name, source or notebook with a test task
     (held-out results would be contaminated)."""
     for split in SPLITS:
         check_rows(lists[split], split)
+    medium, hard, test = recipe.TRAIN_MEDIUM, recipe.TRAIN_HARD, recipe.TEST_TASKS
     tiers = Counter(r["difficulty"] for r in lists["train"])
-    if tiers != Counter(medium=counts.medium, hard=counts.hard):
+    if tiers != Counter(medium=medium, hard=hard):
         other = len(lists["train"]) - tiers["medium"] - tiers["hard"]
         got = f"{tiers['medium']} medium, {tiers['hard']} hard" + (f" and {other} other" if other else "")
-        raise ConfigError(f"data/train.json has {got}; the recipe needs {counts.medium} medium and {counts.hard} hard: "
-                          f"{RESTORE}")
-    if len(lists["test"]) != counts.test:
-        raise ConfigError(f"data/test.json has {len(lists['test'])} tasks; the recipe needs {counts.test}: {RESTORE}")
+        raise ConfigError(f"data/train.json has {got}; the recipe needs {medium} medium and {hard} hard: {RESTORE}")
+    if len(lists["test"]) != test:
+        raise ConfigError(f"data/test.json has {len(lists['test'])} tasks; the recipe needs {test}: {RESTORE}")
     for key in ("name", "source", "notebook"):
         test = {r[key]: r["name"] for r in lists["test"]}
         for row in lists["train"]:
@@ -107,27 +94,18 @@ def check_lists(lists: dict[str, list[Any]], counts: Counts = Counts()) -> None:
                                   f"{row[key]!r}: held-out results would be contaminated; {RESTORE}")
 
 
-def in_list_order(rows: list[dict[str, Any]], data_dir: Path, split: str,
-                  key: str = "task_name") -> list[dict[str, Any]]:
-    """`rows` (one per served task, named by `key`) in the order of data/<split>.json, the one home of the order.
-
-    openenv serves task folders sorted by name and TRL iterates its train dataset unshuffled: without this the
-    trained order would be alphabetical. Served tasks other than the listed ones mean the env server was given
-    another folder than the one prepare_tasks.py wrote from the list.
-    """
-    listed = load_list(data_dir, split)
-    check_rows(listed, split)
-    position = {row["name"]: i for i, row in enumerate(listed)}
-    served = Counter(row[key] for row in rows)
-    extra = sorted(name for name in served if name not in position)
-    missing = [name for name in position if name not in served]
-    twice = sorted(name for name, n in served.items() if n > 1)
-    if extra or missing or twice:
+def in_list_order(rows: list[dict[str, Any]], data_dir: Path, split: str) -> list[dict[str, Any]]:
+    """`rows` (one per served task) in the order of data/<split>.json, the one home of the order (openenv serves
+    folders sorted by name, and TRL iterates its train dataset unshuffled); refuses tasks other than the listed."""
+    position = {row["name"]: i for i, row in enumerate(load_list(data_dir, split))}
+    served = {row["task_name"] for row in rows}
+    extra, missing = sorted(served - position.keys()), [name for name in position if name not in served]
+    if extra or missing:
         what = "; ".join(f"{label} {len(names)} (e.g. {names[0]})" for label, names in (
-            ("not in the list:", extra), ("listed but not served:", missing), ("served twice:", twice)) if names)
+            ("not in the list:", extra), ("listed but not served:", missing)) if names)
         raise ConfigError(f"the env server's {split} tasks are not data/{split}.json's ({what}): serve the folder "
                           f"`prepare_tasks.py --split {split}` wrote from that list")
-    return sorted(rows, key=lambda row: position[row[key]])
+    return sorted(rows, key=lambda row: position[row["task_name"]])
 
 
 # --- materialize ---------------------------------------------------------------------------------
@@ -136,50 +114,39 @@ def patched_toml(folder: Path) -> str:
     were OOM-killed) in [environment], every other key kept."""
     try:
         config = tomllib.loads((folder / "task.toml").read_text())
-    except (OSError, tomllib.TOMLDecodeError) as exc:
-        raise ConfigError(f"task {folder.name}: task.toml is missing or not valid TOML ({exc}): use the pinned "
-                          "dataset revision") from None
-    environment = config.get("environment")
-    if not isinstance(environment, dict):
-        raise ConfigError(f"task {folder.name}: task.toml has no [environment] table, so docker_image cannot be set: "
-                          "the snapshot is not a SmolDataEnvs Harbor task; use the pinned dataset revision")
-    environment.update(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS, memory_mb=recipe.TASK_MEMORY_MB)
+        config["environment"].update(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS,
+                                     memory_mb=recipe.TASK_MEMORY_MB)
+    except (OSError, tomllib.TOMLDecodeError, KeyError, AttributeError) as exc:
+        raise ConfigError(f"task {folder.name}: task.toml is missing, not valid TOML or has no [environment] table "
+                          f"({type(exc).__name__}: {exc}): use the pinned dataset revision") from None
     return tomli_w.dumps(config)
 
 
 def download(api: Any, split: str, dest: Path, patterns: list[str]) -> Path:
-    """Download the pinned revision of a split's dataset, only `patterns`, into `dest`."""
+    """Download the pinned revision of a split's dataset, only `patterns`, into `dest` (a failure is run_cli's line)."""
+    from huggingface_hub import HfApi
+
     repo_id, revision = DATASETS[split]
     print(f"[prepare_tasks] downloading {repo_id}@{revision} ({len(patterns)} patterns)", file=sys.stderr, flush=True)
-    try:
-        api.snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
-                              allow_patterns=patterns)
-    except Exception as exc:  # network, auth, missing revision: one line, then stop
-        raise ConfigError(f"download of {repo_id}@{revision} failed ({describe(exc)}): "
-                          "check the network and HF_TOKEN, or pass a local snapshot") from None
+    (api or HfApi()).snapshot_download(repo_id, repo_type="dataset", revision=revision, local_dir=dest,
+                                       allow_patterns=patterns)
     return dest
 
 
-def verify(rows: list[dict[str, str]], src: Path, split: str, where: str, grader_sha256: str) -> None:
-    """Every listed task is in `src` (described as `where`), hashes as listed, runs the expected grader and has a
-    patchable task.toml."""
+def verify(rows: list[dict[str, str]], src: Path, split: str, where: str) -> None:
+    """Every listed task is in `src` (described as `where`), hashes as listed, runs the recipe's grader (another would
+    score answers differently) and has a patchable task.toml."""
     for i, row in enumerate(rows, 1):
         folder = src / "tasks" / row["name"]
         if not folder.is_dir():
             raise ConfigError(f"{split} task {row['name']} is missing from {where} (no tasks/{row['name']}/): "
                               "use the pinned snapshot")
-        instruction = folder / "instruction.md"
-        found = sha256_file(instruction) if instruction.is_file() else "no instruction.md"
-        if found != row["instruction_sha256"]:
-            raise ConfigError(f"{split} task {row['name']}: instruction.md sha256 {found[:16]}… does not match "
-                              f"data/{split}.json ({row['instruction_sha256'][:16]}…) in {where}: use the pinned "
-                              "revision")
-        grader = folder / "tests" / "grader.py"
-        found = sha256_file(grader) if grader.is_file() else "no tests/grader.py"
-        if found != grader_sha256:
-            raise ConfigError(f"{split} task {row['name']}: tests/grader.py sha256 {found[:16]}… is not the expected "
-                              f"grader's ({grader_sha256[:16]}…, GRADER_SHA256 in recipe.py) in {where}: it would "
-                              "score answers differently; use the pinned revision")
+        for name, want, home in (("instruction.md", row["instruction_sha256"], f"data/{split}.json"),
+                                 ("tests/grader.py", recipe.GRADER_SHA256, "GRADER_SHA256 in recipe.py")):
+            found = sha256_file(folder / name) if (folder / name).is_file() else f"no {name}"
+            if found != want:
+                raise ConfigError(f"{split} task {row['name']}: {name} sha256 {found[:16]}… does not match {home} "
+                                  f"({want[:16]}…) in {where}: use the pinned revision")
         patched_toml(folder)
         progress(f"verify {split}", i, len(rows))
 
@@ -201,30 +168,16 @@ def build_split(rows: list[dict[str, str]], src: Path, dest: Path, split: str, o
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
-def replace_dir(staged: Path, target: Path) -> None:
-    """Put `staged` where `target` is, removing the old copy only after the new one is in place."""
-    if target.exists():
-        old = target.with_name(f".{target.name}.old-{os.getpid()}")
-        target.rename(old)
-        staged.rename(target)
-        shutil.rmtree(old)
-    else:
-        staged.rename(target)
-
-
-def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | None], data_dir: Path, api: Any,
-                counts: Counts = Counts(), grader_sha256: str = recipe.GRADER_SHA256) -> dict[str, Path]:
+def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | None], data_dir: Path,
+                api: Any) -> dict[str, Path]:
     """Write OUT/<split>/ for each split from the lists, all or nothing: every split is verified before the first
     task is copied, and each is built in a hidden sibling folder renamed into place (an older good copy stays)."""
     lists = {split: load_list(data_dir, split) for split in SPLITS}
-    check_lists(lists, counts)
+    check_lists(lists)
     for split in splits:
-        target, src = out / split, sources.get(split)
-        if target.exists() and not (target / "manifest.json").is_file():
-            raise ConfigError(f"{target} exists and was not written by prepare_tasks.py: "
+        if (out / split).exists() and not (out / split / "manifest.json").is_file():
+            raise ConfigError(f"{out / split} exists and was not written by prepare_tasks.py: "
                               "choose another --out or remove it")
-        if src is not None and not (src / "tasks").is_dir():
-            raise ConfigError(f"--{split}-source {src} has no tasks/ folder: pass a SmolDataEnvs Harbor snapshot")
     created = not out.exists()
     try:
         out.mkdir(parents=True, exist_ok=True)
@@ -239,12 +192,16 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
                 src = download(api, split, out / f".{split}.download-{os.getpid()}",
                                [f"tasks/{r['name']}/*" for r in lists[split]])
                 origin, where = "hub", "@".join(DATASETS[split])
-            verify(lists[split], src, split, where, grader_sha256)
+            verify(lists[split], src, split, where)
             verified[split] = src, origin
         for split, (src, origin) in verified.items():
             build_split(lists[split], src, out / f".{split}.partial-{os.getpid()}", split, origin)
-        for split in splits:
-            replace_dir(out / f".{split}.partial-{os.getpid()}", out / split)
+        for split in splits:  # an older copy goes only once the new one is in place
+            old = out / f".{split}.old-{os.getpid()}"
+            if (out / split).exists():
+                (out / split).rename(old)
+            (out / f".{split}.partial-{os.getpid()}").rename(out / split)
+            shutil.rmtree(old, ignore_errors=True)
     finally:
         for path in scratch:
             shutil.rmtree(path, ignore_errors=True)
@@ -255,9 +212,8 @@ def materialize(out: Path, splits: tuple[str, ...], sources: dict[str, Path | No
     return {split: out / split for split in splits}
 
 
-def main(argv: list[str] | None = None, api: Any = None, counts: Counts = Counts(),
-         grader_sha256: str = recipe.GRADER_SHA256) -> int:
-    """Materialize; a bad input ends in one line on stderr and exit status 2 (tests pass smaller counts)."""
+def main(argv: list[str] | None = None, api: Any = None) -> int:
+    """Materialize; a failure ends in one line on stderr (exit status 2 for bad input), as in every script."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("TASKS_DIR", "tasks")),
                         help="output folder, one subfolder per split (env TASKS_DIR, default: tasks)")
@@ -269,17 +225,9 @@ def main(argv: list[str] | None = None, api: Any = None, counts: Counts = Counts
     parser.add_argument("--data", type=Path, default=DATA_DIR,
                         help="folder of train.json and test.json (default: data/ beside this script)")
     args = parser.parse_args(argv)
-    if api is None:
-        from huggingface_hub import HfApi
-
-        api = HfApi()
-    try:
-        materialize(args.out, SPLITS if args.split == "all" else (args.split,),
-                    {"train": args.train_source, "test": args.test_source}, args.data, api, counts, grader_sha256)
-    except ConfigError as exc:
-        print(f"prepare_tasks.py: error: {exc}", file=sys.stderr)
-        return 2
-    return 0
+    splits, sources = SPLITS if args.split == "all" else (args.split,), {"train": args.train_source,
+                                                                         "test": args.test_source}
+    return adapter_repo.run_cli("prepare_tasks.py", lambda: materialize(args.out, splits, sources, args.data, api))
 
 
 if __name__ == "__main__":

@@ -184,7 +184,7 @@ def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int
     import model_cards
 
     (final_dir / "README.md").write_text(model_cards.training_card(settings.adapter_repo, steps, dashboard_url,
-                                                                   settings.learning_rate))
+                                                                   resolved_config(settings)))
     adapter_repo.push_folder(api, settings.adapter_repo, final_dir, "", ignore=adapter_repo.FINAL_ADAPTER_IGNORE)
 
 

@@ -21,11 +21,15 @@ ones did, so the 4 GB patch is visible.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import random
 import tomllib
+from collections.abc import Iterator
 from pathlib import Path
+from typing import NamedTuple
+from unittest import mock
 
 BUCKET = "AdithyaSK/jupyter-agent-kaggle-all"
 LIST_SEED = 20260101  # the seed the lists of these tests were always selected with
@@ -192,7 +196,25 @@ def snapshot_rows(root: Path) -> list[dict[str, str]]:
     return rows
 
 
-def write_lists(sources: dict[str, Path], data_dir: Path, counts: object) -> dict[str, list[dict[str, str]]]:
+class Counts(NamedTuple):
+    """How many tasks the synthetic lists hold (the recipe's: TRAIN_MEDIUM, TRAIN_HARD, TEST_TASKS)."""
+
+    medium: int
+    hard: int
+    test: int
+
+
+@contextlib.contextmanager
+def in_recipe(counts: Counts, grader_sha256: str) -> Iterator[None]:
+    """prepare_tasks checks the lists' sizes and every task's grader against recipe.py: these, for the fixture's."""
+    import recipe
+
+    with mock.patch.multiple(recipe, TRAIN_MEDIUM=counts.medium, TRAIN_HARD=counts.hard, TEST_TASKS=counts.test,
+                             GRADER_SHA256=grader_sha256):
+        yield
+
+
+def write_lists(sources: dict[str, Path], data_dir: Path, counts: Counts) -> dict[str, list[dict[str, str]]]:
     """Lists for synthetic snapshots (the recipe's are committed): in a seeded order, the first `counts.test` test
     tasks, and the first `counts.medium` medium and `counts.hard` hard train tasks sharing no source or notebook
     with them, in that order (so the list's order is not the served, alphabetical one)."""
@@ -223,8 +245,8 @@ def materialized(root: Path, n_medium: int = 4, n_hard: int = 6, n_test: int = 3
     sources = {"train": make_snapshot(root / "snapshots" / "train", n_medium + 2, n_hard + 2, 2),
                "test": make_snapshot(root / "snapshots" / "test", n_test // 2, n_test - n_test // 2, 1,
                                      first_notebook=900_000)}
-    counts = prepare_tasks.Counts(medium=n_medium, hard=n_hard, test=n_test)
+    counts = Counts(medium=n_medium, hard=n_hard, test=n_test)
     write_lists(sources, root / "data", counts)
-    prepare_tasks.materialize(root / "tasks", prepare_tasks.SPLITS, sources, root / "data", api=None, counts=counts,
-                              grader_sha256=GRADER_SHA256)
+    with in_recipe(counts, GRADER_SHA256):
+        prepare_tasks.materialize(root / "tasks", prepare_tasks.SPLITS, sources, root / "data", api=None)
     return root / "tasks"

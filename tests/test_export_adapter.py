@@ -227,10 +227,11 @@ def test_recipe_table_is_generated_from_recipe(made, tmp_path, capsys, monkeypat
     monkeypatch.setattr(recipe, "MAX_TOKENS", 1234)
     monkeypatch.setattr(recipe, "TRAIN_REVISION", "0123456789abcdef0123456789abcdef01234567")
     body = card_for(made["source"], tmp_path, capsys)
-    assert ("| Learning rate | 3e-06 (the recipe default), constant; the recipe's lineage fine-tuned the full model "
-            "at 3e-6, and LoRA is commonly run ~10x higher") in body
-    assert "| Learning rate | 1e-05, constant;" in model_cards.training_card(SOURCE, 20, None, 1e-5)  # the run's
-    assert "| Output cap | 1234 tokens per model call" in body
+    assert "| Learning rate | 3e-06 (the recipe default), constant |" in body
+    assert f"| Max staleness | {recipe.MAX_STALENESS} (the recipe default) optimizer steps |" in body
+    run = {"learning_rate": 1e-5, "max_staleness": 3}  # the training card has the run's resolved config
+    assert "| Learning rate | 1e-05, constant |" in model_cards.training_card(SOURCE, 20, None, run)
+    assert "at most 1234 tokens per model call" in body
     assert "@ `0123456789abcdef0123456789abcdef01234567`" in body
     assert "trl==1.15.0" in body and "transformers==5.17.0" in body  # read from recipe.JOB_REQUIREMENTS
 
@@ -402,7 +403,7 @@ def test_card_reads_the_steps_from_the_run_a_20_step_smoke_adapter(made, tmp_pat
     assert "| Optimizer steps | not recorded (no checkpoint in the source); this adapter: `final` |" in card_for(
         source, tmp_path / "bare", capsys)
     # the training repo's own card (pushed with the final adapter) takes the trainer's global_step the same way
-    assert row in model_cards.training_card(SOURCE, 20, None)
+    assert row in model_cards.training_card(SOURCE, 20, None, {"learning_rate": 1e-5, "max_staleness": 3})
 
 
 def test_a_long_target_needs_a_merged_target_only_when_merging(made, tmp_path, capsys):

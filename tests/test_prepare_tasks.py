@@ -17,7 +17,17 @@ from pathlib import Path
 
 import pytest
 from harbor.models.task.task import Task
-from harbor_fixture import GRADER_SHA256, list_json, make_snapshot, make_task, materialized, publish, write_lists
+from harbor_fixture import (
+    GRADER_SHA256,
+    Counts,
+    in_recipe,
+    list_json,
+    make_snapshot,
+    make_task,
+    materialized,
+    publish,
+    write_lists,
+)
 from hub_double import LocalHub
 from openenv.harbor.tasks import _task_dirs_from_directory
 
@@ -25,7 +35,7 @@ import prepare_tasks as pt
 import recipe
 
 ROOT = Path(__file__).resolve().parent.parent
-COUNTS = pt.Counts(medium=4, hard=6, test=3)
+COUNTS = Counts(medium=4, hard=6, test=3)
 # The fixture's task.toml carries `allow_internet` like the generator's; Harbor 0.25 warns it is deprecated.
 pytestmark = pytest.mark.filterwarnings("ignore:The 'allow_internet' field is deprecated")
 PATCHED = {"docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB}
@@ -67,10 +77,10 @@ def hub_with(tmp_path: Path, sources: dict[str, Path]) -> RecordingHub:
     return hub
 
 
-def run_main(argv: list[str], capsys, api=None, counts: pt.Counts = COUNTS,
-             grader_sha256: str = GRADER_SHA256) -> tuple[int, str]:
+def run_main(argv: list[str], capsys, api=None, grader_sha256: str = GRADER_SHA256) -> tuple[int, str]:
     """main() on the small lists; the fixture's tasks carry the fixture's grader."""
-    rc = pt.main(argv, api=api, counts=counts, grader_sha256=grader_sha256)
+    with in_recipe(COUNTS, grader_sha256):
+        rc = pt.main(argv, api=api)
     return rc, capsys.readouterr().err
 
 
@@ -78,7 +88,7 @@ def error_line(stderr: str) -> str:
     """The one error line; progress lines (prefixed) may precede it."""
     lines = [ln for ln in stderr.splitlines() if not ln.startswith("[prepare_tasks]")]
     assert len(lines) == 1, stderr
-    assert lines[0].startswith("prepare_tasks.py: error: ")
+    assert lines[0].startswith("prepare_tasks.py: ")
     return lines[0]
 
 
@@ -194,7 +204,7 @@ def drop_environment(sources, rows):
     instruction = (folder / "instruction.md").read_text()
     shutil.rmtree(folder)
     make_task(sources["train"], row["source"], row["difficulty"], instruction=instruction, environment=False)
-    return row["name"], "task.toml has no [environment] table"
+    return row["name"], "has no [environment] table"
 
 
 def swap_grader(sources, rows):
@@ -306,8 +316,9 @@ def test_download_failure_is_one_line_and_leaves_nothing(work, capsys):
     out = tmp_path / "tasks"
     rc, err = run_main(["--out", str(out), "--data", str(tmp_path / "data")], capsys,
                        api=LocalHub(tmp_path / "empty-hub"))
-    line = error_line(err)
-    assert rc == 2 and f"download of {recipe.TRAIN_DATASET}@{recipe.TRAIN_REVISION} failed" in line
+    line = error_line(err)  # the entry points' shared one-line report, after the line naming the download
+    assert rc == 1 and line.startswith("prepare_tasks.py: the Hub refused a request (HTTP 404")
+    assert f"[prepare_tasks] downloading {recipe.TRAIN_DATASET}@{recipe.TRAIN_REVISION}" in err
     assert not out.exists()
 
 
@@ -323,7 +334,7 @@ def test_materialized_fixture_gives_other_tests_a_prepared_dataset(tmp_path):
 
 def test_an_out_folder_that_cannot_be_made_is_one_line(capsys):
     """Issue 43 (13): `--out /proc/x` printed an 18-line traceback."""
-    rc, err = run_main(["--out", "/proc/x", "--split", "train"], capsys, counts=pt.Counts())
+    rc, err = pt.main(["--out", "/proc/x", "--split", "train"]), capsys.readouterr().err  # the committed lists
     assert rc == 2
-    assert error_line(err) == ("prepare_tasks.py: error: --out /proc/x cannot be created (No such file or directory): "
+    assert error_line(err) == ("prepare_tasks.py: --out /proc/x cannot be created (No such file or directory): "
                                "choose a folder you can write")

@@ -56,7 +56,7 @@ def finished(tmp_path) -> LocalHub:
 
 def test_a_start_at_max_steps_trains_nothing_and_pushes_the_final_adapter_from_that_checkpoint(finished, tmp_path):
     before = len(finished.commits)
-    train_lora.train(settings(tmp_path / "relaunch", 2), factory=never_build, api=finished)
+    train_lora.train(settings(tmp_path / "relaunch", 2, MAX_STALENESS="3"), factory=never_build, api=finished)
     assert [message for _, message, _ in finished.commits[before:]] == ["Upload final adapter"]
     files = set(finished.list_repo_files(REPO))
     assert adapter_repo.complete_checkpoints(files) == [1, 2]  # no checkpoint-3
@@ -68,6 +68,7 @@ def test_a_start_at_max_steps_trains_nothing_and_pushes_the_final_adapter_from_t
                 adapter_repo.COMPLETE_MARKER} & files  # training state stays in the checkpoints, as at a normal end
     card = (root / "README.md").read_text()
     assert "2 optimizer steps" in card and "https://huggingface.co/spaces/" in card
+    assert "| Max staleness | 3 optimizer steps |" in card  # the run's own --max-staleness, not the recipe's
 
 
 def test_a_relaunch_after_the_final_push_pushes_nothing_and_goes_on(finished, tmp_path):
