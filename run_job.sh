@@ -5,7 +5,6 @@
 #
 #   bash run_job.sh                                                     # inside the job (see README "Your path")
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_job.sh  # print the plan, start nothing
-#
 # Environment: ADAPTER_REPO and HF_TOKEN (required); every other knob, its default and what it does: docs/jobs.md.
 set -euo pipefail
 # shellcheck source=common.sh
@@ -44,11 +43,9 @@ preflight() {
   STEP_NOTE="MODE=$MODE ADAPTER_REPO=$ADAPTER_REPO MAX_STEPS=$MAX_STEPS SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
 }
 
-# The smoke run's plan and deadline; its repo emptied (and this run recorded in it) before anything can read it, so a
-# watcher adopts only this run's files. From here on the job ends with the go/no-go report, whatever happens.
+# The smoke run's plan and deadline; its repo emptied (clear refuses one not named -smoke) and this run recorded in it
+# before anything can read it. From here on the job ends with the go/no-go report, whatever happens.
 smoke_preflight() {
-  [[ "$ADAPTER_REPO" == *-smoke ]] \
-    || die "MODE=smoke empties its repo first: ADAPTER_REPO=$ADAPTER_REPO must end with -smoke (launch.py smoke adds it)"
   echo "${SMOKE_PLAN%%$'\n'*}"
   DEADLINE=$(( $(date +%s) + DEADLINE_S ))
   STAGES_FILE="$WORK_DIR/$(recipe STAGES_NAME)"
@@ -100,8 +97,8 @@ train() {
   fi
 }
 
-# 8 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder. The
-#    first start's rollout counts are kept aside (recipe.keep_ledger_aside: the name smoke_report.py reads them by).
+# 8 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder; the
+#    first start's rollout counts kept aside (recipe.keep_ledger_aside), where smoke_report.py reads them.
 resume_training() {
   if dry_run; then echo "  keep the first start's rollout counts aside: $WORK_DIR/$(recipe KEPT_LEDGER_GLOB)"; else
     py_check 'import recipe; recipe.keep_ledger_aside(sys.argv[2])' "$WORK_DIR"
@@ -134,17 +131,12 @@ run_trainer() {
 supervise() {
   local trainer="$1" name age rc
   while true; do
-    for name in vllm env_server; do
-      if ! kill -0 "${PID[$name]}" 2>/dev/null; then
-        rc=0; wait "${PID[$name]}" || rc=$?
-        tail_log "$name"; die "$name exited (status $rc) while training: see the log tail above"
-      fi
+    for name in vllm env_server "$trainer"; do  # any exit but the trainer's with status 0 fails the job
+      kill -0 "${PID[$name]}" 2>/dev/null && continue
+      rc=0; wait "${PID[$name]}" || rc=$?
+      [ "$name" != "$trainer" ] || [ "$rc" -ne 0 ] || return 0
+      tail_log "$name"; die "$name exited (status $rc) while training: $(tail -n 1 "$LOG_DIR/$name.log" 2>/dev/null)"
     done
-    if ! kill -0 "${PID[$trainer]}" 2>/dev/null; then
-      rc=0; wait "${PID[$trainer]}" || rc=$?
-      [ "$rc" -eq 0 ] && return 0
-      tail_log "$trainer"; die "trainer exited with status $rc: $(tail -n 1 "$LOG_DIR/$trainer.log" 2>/dev/null)"
-    fi
     age=$(( $(date +%s) - $(stat -c %Y "$HEARTBEAT_FILE" 2>/dev/null || echo 0) ))  # a deleted file counts as stale
     if [ -n "${DEADLINE:-}" ] && (( $(date +%s) >= DEADLINE )); then
       tail_log "$trainer"; die "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
@@ -174,8 +166,7 @@ final_eval() {
     show_cmd "${cmd[@]}"
     return 0
   fi
-  cleanup  # every child so far: vllm and env_server (the trainer has exited)
-  wait  # until they are gone, their GPU memory and ports free
+  cleanup; wait  # every child so far (vllm, env_server), until gone: their GPU and ports free
   setsid "${cmd[@]}" &
   pid=$!
   CHILD_PIDS+=("$pid")

@@ -29,6 +29,7 @@ SMOKE_SUFFIX = adapter_repo.SMOKE_SUFFIX
 STALE_KEY, SAMPLES_KEY, GROUPS_KEY = "sample/dropped_stale_total", "batch/samples_per_step", "batch/groups_per_step"
 # train_rollouts' counts of rollouts the proxy ended (its ENDS, without importing the trainer's modules).
 ENDS = ("budget_stopped", "context_exhausted", "cut")
+SIDES = ("base", "adapter")  # the eval's
 
 
 def duration(total_s: int) -> str:
@@ -135,9 +136,8 @@ def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
 
 
 def resume(train_log: dict[str, Any] | None, at: int) -> dict[str, Any]:
-    """Whether the last trainer start resumed from checkpoint-`at` rather than restarting (its state began at step
-    `at`, its first step was `at` + 1), and the groups the first start used up by then, at least: those it trained and
-    those TRL dropped as stale (whole groups of NUM_GENERATIONS). The resume position must skip all of them."""
+    """Whether the last trainer start resumed from checkpoint-`at` (its state began at step `at`, its first step was
+    `at` + 1), and the groups the first start used up by then, which the resume position must skip: trained or stale."""
     starts, logs = (train_log or {}).get("starts", []), (train_log or {}).get("logs", [])
     before = [e for e in logs if e.get("start") == 0 and int(e.get("step", 0)) <= at]
     used = int(sum(_values(before, GROUPS_KEY)) + sum(_values(before, STALE_KEY)) // recipe.NUM_GENERATIONS)
@@ -171,15 +171,6 @@ def verify_checkpoints(api: Any, repo_id: str, steps: Iterable[int], work: Path)
     return found
 
 
-def evaluation(doc: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Cells and pass@1 of each side from eval_adapter's results document (None if it never landed)."""
-    if not doc:
-        return None
-    summary = doc.get("summary") or {}
-    return {"complete": bool(doc.get("complete")), "cells": len(doc.get("cells", [])),
-            "tasks": len(doc.get("tasks", [])), **{side: summary.get(side) or {} for side in ("base", "adapter")}}
-
-
 def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
     """train_rollouts' counts summed over trainer starts (each start's rollout child begins a new ledger)."""
     if not ledgers:
@@ -210,7 +201,7 @@ def limits(expect: dict[str, Any]) -> dict[str, Any]:
 def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     """Every reason the run is NO-GO (empty = GO), each naming its numbers, in the job's order. `expect`: steps,
     checkpoints, resume_at (or None), eval (bool), and limits() of its own."""
-    train, rollouts, bound = report["training"], report["rollouts"], limits(expect)
+    train, rollouts, bound = report["training"], report["rollouts"] or {}, limits(expect)
     reasons = [f"stage {s['stage']} failed after {s['seconds']} s: {s['note']}"
                for s in report["stages"] if not s["ok"]]
     if train["steps_done"] < expect["steps"]:
@@ -241,8 +232,20 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
         elif (skipped := entry["prompt_index"] + entry.get("consumed_ahead", 0)) < need:
             reasons.append(f"resume position skips {skipped} groups (checkpoint-{at}'s {recipe.ROLLOUT_STATE}), fewer "
                            f"than the {need} the first start consumed: a relaunch would train them again")
-    reasons += rollout_reasons(rollouts, bound) if rollouts else [
-        "no rollout counts (rollouts.json missing): the rollout worker never finished a rollout"]
+    if report["rollouts"] is None:
+        reasons.append("no rollout counts (rollouts.json missing): the rollout worker never finished a rollout")
+    elif rollouts.get("stopped"):
+        reasons.append(f"rollout guard stopped the run: {rollouts['stopped']}")
+    finished, lost = rollouts.get("rollouts") or 0, rollouts.get("unscorable_total") or 0
+    if finished and lost / finished > bound["unscorable"]:
+        classes = ", ".join(f"{c} {n}" for c, n in (rollouts.get("unscorable") or {}).items() if n)
+        reasons.append(f"{lost} of {finished} finished rollouts unscorable ({lost / finished:.0%} > "
+                       f"{bound['unscorable']:.0%}): {classes}")
+    setup = ((rollouts.get("timing") or {}).get("max") or {}).get(sandbox_lifecycle.SETUP_KEY)
+    if setup is not None and setup > bound["setup_s"]:
+        reasons.append(f"slowest rollout setup {setup:.0f} s is over the {bound['setup_s']:.0f} s OpenEnv's call limit "
+                       "leaves beside the agent timeout: an agent near its timeout loses its rollout "
+                       "(ROLLOUT_SETUP_BUDGET_S in recipe.py)")
     if (stale := train["stale_frac"]) is not None and stale > bound["stale"]:
         reasons.append(f"TRL dropped {train['dropped_stale']:.0f} samples as stale against "
                        f"{train['samples_trained']:.0f} trained ({stale:.0%} > {bound['stale']:.0%}): finished "
@@ -254,7 +257,7 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     if expect.get("eval") and (ev is None or not ev["complete"]):
         reasons.append("final eval on the subset did not complete")
     elif expect.get("eval"):
-        for side in ("base", "adapter"):
+        for side in SIDES:
             scored, tasks, lost = (ev[side].get(k) or 0 for k in ("scored", "tasks", "unscorable"))
             if scored < tasks or lost:
                 reasons.append(f"eval: {scored} of {tasks} {side} cells scored ({lost} unscorable): a smoke eval "
@@ -262,29 +265,11 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
     return reasons
 
 
-def rollout_reasons(rollouts: dict[str, Any], limit: dict[str, Any]) -> list[str]:
-    """The rollout side: the guard's stop, scored rollouts, unscorable share by class, the slowest per-rollout setup."""
-    reasons = [f"rollout guard stopped the run: {rollouts['stopped']}"] if rollouts.get("stopped") else []
-    finished, lost = rollouts.get("rollouts") or 0, rollouts.get("unscorable_total") or 0
-    if not rollouts.get("scored"):
-        reasons.append("no rollout was scored")
-    if finished and lost / finished > limit["unscorable"]:
-        classes = ", ".join(f"{c} {n}" for c, n in (rollouts.get("unscorable") or {}).items() if n)
-        reasons.append(f"{lost} of {finished} finished rollouts unscorable ({lost / finished:.0%} > "
-                       f"{limit['unscorable']:.0%}): {classes}")
-    setup = ((rollouts.get("timing") or {}).get("max") or {}).get(sandbox_lifecycle.SETUP_KEY)
-    if setup is not None and setup > limit["setup_s"]:
-        reasons.append(f"slowest rollout setup {setup:.0f} s is over the {limit['setup_s']:.0f} s OpenEnv's call limit "
-                       "leaves beside the agent timeout: an agent near its timeout loses its rollout "
-                       "(ROLLOUT_SETUP_BUDGET_S in recipe.py)")
-    return reasons
-
-
 def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger: dict[str, Any] | None,
           checkpoints: list[dict[str, Any]], eval_doc: dict[str, Any] | None, expect: dict[str, Any]) -> dict[str, Any]:
     """The report document: every section, then the verdict and its reasons, and what a user should know before the
     long run but that does not stop it (a mostly zero-contrast run trains mostly nothing)."""
-    bound = limits(expect)
+    bound, summary = limits(expect), (eval_doc or {}).get("summary") or {}
     report: dict[str, Any] = {
         "schema": 1, "created": time.time(), "expect": expect, "stages": stages,
         "training": {**training(train_log), "ratio_band": bound["ratio"], "kl_ceiling": bound["kl"]},
@@ -292,14 +277,16 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
             "rollouts", "scored", "timed_out", *ENDS, "unscorable", "unscorable_total", "timing", "stopped")},
         "checkpoints": checkpoints,
         "resume": resume(train_log, expect["resume_at"]) if expect.get("resume_at") else {"verified": None},
-        "eval": evaluation(eval_doc),
+        "eval": {"complete": bool(eval_doc.get("complete")), "cells": len(eval_doc.get("cells", [])),
+                 "tasks": len(eval_doc.get("tasks", [])), **{side: summary.get(side) or {} for side in SIDES}}
+        if eval_doc else None,
     }
     reasons = assess(report, expect)
     flat = report["training"]["groups"]["zero_contrast"]
+    warn = flat is not None and flat > recipe.SMOKE_ZERO_CONTRAST_WARN
     report.update(verdict="NO-GO" if reasons else "GO", reasons=reasons, warnings=[
         f"{flat:.0%} of the trained rows came from zero-contrast groups (every reward equal: the step trains nothing "
-        "from them): the tasks are too hard or too easy for the policy as it stands"]
-        if flat is not None and flat > recipe.SMOKE_ZERO_CONTRAST_WARN else [])
+        "from them): the tasks are too hard or too easy for the policy as it stands"] if warn else [])
     return report
 
 
@@ -349,7 +336,7 @@ def render(report: dict[str, Any]) -> str:
     ]
     ev = report["eval"]
     sides = ", ".join(f"{side} {num(ev[side].get('pass_at_1'), '.2f')} ({ev[side].get('scored')} scored)"
-                      for side in ("base", "adapter")) if ev else ""
+                      for side in SIDES) if ev else ""
     lines.append(f"  eval {ev['cells']} cells on {ev['tasks']} tasks; pass@1 {sides}" if ev else "  eval: no results")
     lines += [f"  WARN: {warning}" for warning in report["warnings"]]
     lines += [f"  NO-GO: {reason}" for reason in report["reasons"]] or ["  GO: every check passed"]

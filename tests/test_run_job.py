@@ -163,7 +163,7 @@ def test_crashing_trainer_ends_job_with_log_tail(job):
     out = run_job(job, STUB_TRAIN="crash")
     assert out.returncode != 0
     assert f"run_job: FAILED (exit 1); logs in {job['env']['LOG_DIR']}" in out.stdout
-    assert "trainer exited with status 7" in out.stderr
+    assert "trainer exited (status 7) while training" in out.stderr
     assert "trainer| RuntimeError: simulated trainer crash" in out.stderr
     assert_no_leftovers(job["token"])
 

@@ -53,8 +53,6 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"ADAPTER_REPO": "you/LFM2.5-2.6B-opencode-lora-RL"}, "ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL must end "
-                                                            "with -smoke"),
     ({"MAX_STEPS": "21"}, "a smoke run takes MAX_STEPS=2..20"),
     ({"MAX_STEPS": "7", "SAVE_STEPS": "5"},
      "MODE=smoke runs its budgeted plan (MAX_STEPS=7 SAVE_STEPS=3 EVAL_TASKS=4)"),
