@@ -5,20 +5,13 @@
 #
 #   bash run_job.sh                                                     # inside the job (see README "Your path")
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_job.sh  # print the plan, start nothing
-#
-# Environment (docs/jobs.md says what each does; defaults from recipe.py): ADAPTER_REPO and HF_TOKEN (required),
-# MODE=train|smoke  MAX_STEPS=<MAX_STEPS> (smoke: <SMOKE_STEPS> or fewer)  SAVE_STEPS=<SAVE_STEPS>  RESUME=1
-# WEIGHT_SYNC=merge_free  LEARNING_RATE=<LEARNING_RATE>  MAX_STALENESS=<MAX_STALENESS>  SANDBOX=<SANDBOX>
-# REPORT_TO=<REPORT_TO>  DASHBOARD_SPACE=<DASHBOARD_SPACE>  SPACE_HOST | JOB_ID | HF_JOB_ID  WORK_DIR=/tmp/lfm-job
-# LOG_DIR=/tmp/lfm-logs  STALL_MINUTES=<STALL_MINUTES> (or STALL_SECONDS)  WATCH_INTERVAL=<WATCH_INTERVAL_S>
-# READY_TIMEOUT=<READY_TIMEOUT_S>  POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>  FINAL_EVAL=1
-# EVAL_TASKS (smoke: the plan's)  EVAL_CONCURRENCY=<EVAL_CONCURRENCY>  DEBUG=0  DRY_RUN=0
+# Environment: ADAPTER_REPO and HF_TOKEN (required); every other knob, its default and what it does: docs/jobs.md.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 declare -A PID=()
-# launch NAME CMD...: start_bg, remembering NAME's pid for the watchdog and stop_child.
+# launch NAME CMD...: start_bg, remembering NAME's pid for the watchdog.
 launch() {
   start_bg "$@"
   dry_run || PID[$1]="${CHILD_PIDS[-1]}"
@@ -29,15 +22,12 @@ read_knobs() {
   LOOPBACK="$(recipe LOOPBACK)"; TRAINER_GPU="$(recipe TRAINER_GPU)"; VLLM_GPU="$(recipe VLLM_GPU)"
   JOB_FLAVOR="$(recipe TRAIN_FLAVOR)"
   env_knobs MODE
-  STEPS=9
-  if [ "$MODE" = smoke ]; then  # the smoke plan's numbers for its MAX_STEPS unless set (the preflight checks them)
-    STEPS=10
-    export MAX_STEPS="${MAX_STEPS:-$(recipe SMOKE_STEPS)}"
-    env_knobs MAX_STEPS
-    SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan --knobs --steps "$MAX_STEPS" 2>&1)" \
-      || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
-    local plan_save="${SMOKE_PLAN#*SAVE_STEPS=}" plan_eval="${SMOKE_PLAN##*EVAL_TASKS=}"
-    export SAVE_STEPS="${SAVE_STEPS:-${plan_save%% *}}" EVAL_TASKS="${EVAL_TASKS:-$plan_eval}"
+  STEPS=8
+  if [ "$MODE" = smoke ]; then  # the plan's line, then its MAX_STEPS SAVE_STEPS EVAL_TASKS deadline (others refused)
+    STEPS=9
+    SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan 2>&1)" || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
+    read -r MAX_STEPS SAVE_STEPS EVAL_TASKS DEADLINE_S <<<"${SMOKE_PLAN##*$'\n'}"
+    export MAX_STEPS SAVE_STEPS EVAL_TASKS
   fi
   job_knobs MAX_STEPS SAVE_STEPS RESUME WEIGHT_SYNC FINAL_EVAL STALL_MINUTES STALL_SECONDS WATCH_INTERVAL LEARNING_RATE \
     MAX_STALENESS
@@ -53,26 +43,20 @@ preflight() {
   STEP_NOTE="MODE=$MODE ADAPTER_REPO=$ADAPTER_REPO MAX_STEPS=$MAX_STEPS SANDBOX=$SANDBOX public https://$PUBLIC_HOSTNAME"
 }
 
-# The smoke run's own checks and plan; from here on the job ends with the report, whatever happens.
+# The smoke run's plan and deadline; its repo emptied (clear refuses one not named -smoke) and this run recorded in it
+# before anything can read it. From here on the job ends with the go/no-go report, whatever happens.
 smoke_preflight() {
-  [[ "$ADAPTER_REPO" == *-smoke ]] \
-    || die "MODE=smoke empties its repo first: ADAPTER_REPO=$ADAPTER_REPO must end with -smoke (launch.py smoke adds it)"
-  [ "MAX_STEPS=$MAX_STEPS SAVE_STEPS=$SAVE_STEPS EVAL_TASKS=$EVAL_TASKS" = "$SMOKE_PLAN" ] \
-    || die "MODE=smoke runs its budgeted plan ($SMOKE_PLAN): set only MAX_STEPS (at most the recipe's SMOKE_STEPS)"
-  "$PYTHON" "$HERE/smoke_report.py" plan --steps "$MAX_STEPS"
-  DEADLINE=$(( $(date +%s) + $("$PYTHON" "$HERE/smoke_report.py" plan --deadline) ))
+  echo "${SMOKE_PLAN%%$'\n'*}"
+  DEADLINE=$(( $(date +%s) + DEADLINE_S ))
   STAGES_FILE="$WORK_DIR/$(recipe STAGES_NAME)"
   dry_run || { mkdir -p "$WORK_DIR"; : >"$STAGES_FILE"; }
   record_stage start preflight  # this step began before the file existed
-  REPORT_HOOK=smoke_job_report
-  # Emptied (and this run recorded in it) before anything can read the repo: a watcher adopts only this run's files.
   do_cmd "$PYTHON" "$HERE/smoke_report.py" clear
+  REPORT_HOOK=smoke_job_report
 }
 
 # The go/no-go report ($REPORT_HOOK, run at exit): one screen in the log, smoke_report.json pushed; 1 on NO-GO.
 smoke_job_report() {
-  if dry_run; then echo "  at exit, whatever happened: the go/no-go report (smoke_report.json; the job fails on NO-GO)"
-  else log "smoke report: checkpoints read back from $ADAPTER_REPO, the job's own records in $WORK_DIR"; fi
   do_cmd "$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE"
 }
 
@@ -102,13 +86,7 @@ start_env_server() {
   STEP_NOTE="env server at $ENV_URL, capture public at $CAPTURE_URL"
 }
 
-# 7. The watchdog's terms; it runs in supervise() while the trainer does.
-arm_watchdog() {
-  dry_run || { mkdir -p "$WORK_DIR"; touch "$HEARTBEAT_FILE"; }
-  STEP_NOTE="no optimizer step and no finished rollout for ${STALL_SECONDS}s ($HEARTBEAT_FILE) fails the job; so does any server exiting"
-}
-
-# 8. The trainer, supervised until it exits. The smoke run stops it after its first checkpoint (STOP_AFTER_STEP).
+# 7. The trainer, supervised until it exits. The smoke run stops it after its first checkpoint (STOP_AFTER_STEP).
 train() {
   if [ "$MODE" = smoke ]; then
     run_trainer trainer "$OUTPUT_DIR" STOP_AFTER_STEP="$SAVE_STEPS"
@@ -119,8 +97,8 @@ train() {
   fi
 }
 
-# 9 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder. The
-#    first start's rollout counts are kept aside (recipe.keep_ledger_aside: the name smoke_report.py reads them by).
+# 8 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder; the
+#    first start's rollout counts kept aside (recipe.keep_ledger_aside), where smoke_report.py reads them.
 resume_training() {
   if dry_run; then echo "  keep the first start's rollout counts aside: $WORK_DIR/$(recipe KEPT_LEDGER_GLOB)"; else
     py_check 'import recipe; recipe.keep_ledger_aside(sys.argv[2])' "$WORK_DIR"
@@ -138,57 +116,35 @@ run_trainer() {
     SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
     OUTPUT_DIR="$output" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
     LEARNING_RATE="$LEARNING_RATE" MAX_STALENESS="$MAX_STALENESS" SANDBOX="$SANDBOX" DEBUG=1 "$@")
+  dry_run || { mkdir -p "$WORK_DIR"; touch "$HEARTBEAT_FILE"; }  # the stall clock starts with this start
   launch "$name" env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
   if dry_run; then
-    echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, $name and the heartbeat age" \
-      "${DEADLINE:+(and the smoke deadline)}"
+    echo "  watchdog: every ${WATCH_INTERVAL}s check vllm, env_server, $name and the heartbeat ($HEARTBEAT_FILE):" \
+      "no optimizer step and no finished rollout for ${STALL_SECONDS}s fails the job${DEADLINE:+, as does the smoke deadline}"
     return 0
   fi
   supervise "$name"
 }
 
-# supervise NAME: returns when the trainer NAME exits 0; fails the job when it fails, stalls or passes the smoke
-# deadline (stopping it first), or when a server exits.
+# supervise NAME: returns when the trainer NAME exits 0; fails the job (on_exit stops every child) when it fails,
+# stalls or passes the smoke deadline, or when a server exits.
 supervise() {
   local trainer="$1" name age rc
   while true; do
-    for name in vllm env_server; do
-      if ! kill -0 "${PID[$name]}" 2>/dev/null; then
-        rc=0; wait "${PID[$name]}" || rc=$?
-        tail_log "$name"; die "$name exited (status $rc) while training: see the log tail above"
-      fi
+    for name in vllm env_server "$trainer"; do  # any exit but the trainer's with status 0 fails the job
+      kill -0 "${PID[$name]}" 2>/dev/null && continue
+      rc=0; wait "${PID[$name]}" || rc=$?
+      [ "$name" != "$trainer" ] || [ "$rc" -ne 0 ] || return 0
+      tail_log "$name"; die "$name exited (status $rc) while training: $(tail -n 1 "$LOG_DIR/$name.log" 2>/dev/null)"
     done
-    if ! kill -0 "${PID[$trainer]}" 2>/dev/null; then
-      rc=0; wait "${PID[$trainer]}" || rc=$?
-      [ "$rc" -eq 0 ] && return 0
-      tail_log "$trainer"; die "trainer exited with status $rc: $(tail -n 1 "$LOG_DIR/$trainer.log" 2>/dev/null)"
-    fi
-    if [ -n "${DEADLINE:-}" ] && (( $(date +%s) >= DEADLINE )); then
-      stop_trainer "$trainer" "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
-    fi
     age=$(( $(date +%s) - $(stat -c %Y "$HEARTBEAT_FILE" 2>/dev/null || echo 0) ))  # a deleted file counts as stale
-    if (( age > STALL_SECONDS )); then
-      stop_trainer "$trainer" "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
+    if [ -n "${DEADLINE:-}" ] && (( $(date +%s) >= DEADLINE )); then
+      tail_log "$trainer"; die "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
+    elif (( age > STALL_SECONDS )); then
+      tail_log "$trainer"; die "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
     fi
     sleep "$WATCH_INTERVAL" & wait $!  # interruptible, so a TERM is handled at once
   done
-}
-
-# stop_trainer NAME WHY: stops the trainer, shows its log tail, and fails the job with WHY.
-stop_trainer() {
-  stop_child "$1"
-  tail_log "$1"
-  die "$2"
-}
-
-# stop_child NAME: ends a start_bg child's whole process group (TERM, then KILL after 30 s or once its leader exits).
-stop_child() {
-  local pid="${PID[$1]:-}" _
-  [ -n "$pid" ] || return 0
-  kill -TERM -- "-$pid" 2>/dev/null || true
-  for _ in $(seq 60); do kill -0 "$pid" 2>/dev/null || break; sleep 0.5; done
-  kill -KILL -- "-$pid" 2>/dev/null || true
-  wait "$pid" 2>/dev/null || true
 }
 
 # 9. Final eval: the training servers make way (GPU and ports) for run_eval.sh's LoRA-mode vLLM and env server.
@@ -210,8 +166,7 @@ final_eval() {
     show_cmd "${cmd[@]}"
     return 0
   fi
-  stop_child vllm
-  stop_child env_server
+  cleanup; wait  # every child so far (vllm, env_server), until gone: their GPU and ports free
   setsid "${cmd[@]}" &
   pid=$!
   CHILD_PIDS+=("$pid")
@@ -232,13 +187,12 @@ main() {
   step 4 tasks py_step "train tasks in $TASKS_DIR/train" prepare_tasks.py --out "$TASKS_DIR" --split train
   step 5 vllm start_policy
   step 6 env-server start_env_server
-  step 7 watchdog arm_watchdog
-  step 8 train train
+  step 7 train train
   if [ "$MODE" = smoke ]; then
-    step 9 resume resume_training
-    step 10 final-eval final_eval
-  else
+    step 8 resume resume_training
     step 9 final-eval final_eval
+  else
+    step 8 final-eval final_eval
   fi
   log "run_job: done"
 }

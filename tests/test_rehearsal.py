@@ -348,9 +348,7 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     assert training["steps_done"] == 3 and training["step_s"]["max"] > 0
     low, high = REHEARSAL_RATIO_BAND
     assert low < training["ratio"]["min"] <= training["ratio"]["max"] < high
-    assert training["sync_ms"]["median"] > 0
     assert [(c["step"], c["verified"]) for c in report["checkpoints"]] == [(2, True), (3, True)]
-    assert all(c["bytes"] > 0 and c["files"] >= 4 for c in report["checkpoints"])
     counts = report["rollouts"]  # both starts: the killed one's counts were kept aside
     assert len(recipe.kept_ledgers(workdir)) == 1
     second = json.loads((workdir / recipe.LEDGER_NAME).read_text())
@@ -361,8 +359,6 @@ def check_smoke_report(workdir: Path, stdout: str, first: dict) -> dict:
     assert counts["scored"] == first["scored"] + second["scored"] >= 3 * recipe.NUM_GENERATIONS
     assert counts["cut"] >= 1  # the scripted agent asks for 6 tokens: the engine cuts its answers (finish "length")
     assert counts["stopped"] is None
-    versions = report["versions"]
-    assert versions["trl"] == "1.15.0" and versions["transformers"] == "5.17.0"
     return counts
 
 

@@ -27,14 +27,14 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     out = run_job(job, DRY_RUN="1", STUB_GPUS="none", **SMOKE)
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    plan = smoke_report.plan()  # printed by the preflight: the real plan, with the job's cap
-    assert smoke_report.render_plan(plan).splitlines()[0] in lines and plan["steps"] == recipe.SMOKE_STEPS == 20
+    plan = smoke_report.job_plan({})  # printed by the preflight: the real plan, with the job's cap
+    assert plan.splitlines()[0] in lines and "MAX_STEPS=20 SAVE_STEPS=5 EVAL_TASKS=4" in plan
     commands = [shlex.split(line[4:]) for line in lines if line.startswith("  $ ")]
     clear = next(i for i, line in enumerate(lines) if line.endswith("smoke_report.py clear"))
     trainers = [i for i, line in enumerate(lines) if line.startswith("  $ env CUDA_VISIBLE_DEVICES=0")]
     starts = [c for c in commands if c[-1].endswith("train_lora.py")]
     assert len(starts) == 2 and clear < trainers[0] < trainers[1]
-    install = next(i for i, line in enumerate(lines) if line.endswith("] step 1/10 install"))
+    install = next(i for i, line in enumerate(lines) if line.endswith("] step 1/9 install"))
     assert clear < install  # emptied before anything can read the repo (issue 26 item 4)
     first, second = starts
     assert "STOP_AFTER_STEP=5" in first and not any(a.startswith("STOP_AFTER_STEP") for a in second)
@@ -43,8 +43,8 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     work = job["tmp"] / "work"
     assert f"OUTPUT_DIR={work}/output" in first and f"OUTPUT_DIR={work}/output-resume" in second
     for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
-                              "watchdog", "train", "resume", "final-eval"]):
-        assert any(line.endswith(f"] step {n}/10 {name}") for line in lines), name
+                              "train", "resume", "final-eval"]):
+        assert any(line.endswith(f"] step {n}/9 {name}") for line in lines), name
     evaluation = next(c for c in commands if c[-1].endswith("run_eval.sh"))
     assert "EVAL_TASKS=4" in evaluation and "CHECKPOINT=final" in evaluation
     assert evaluation[evaluation.index("timeout") + 1].endswith("s")  # what the smoke deadline leaves
@@ -53,8 +53,6 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
 
 
 @pytest.mark.parametrize(("extra", "message"), [
-    ({"ADAPTER_REPO": "you/LFM2.5-2.6B-opencode-lora-RL"}, "ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL must end "
-                                                            "with -smoke"),
     ({"MAX_STEPS": "21"}, "a smoke run takes MAX_STEPS=2..20"),
     ({"MAX_STEPS": "7", "SAVE_STEPS": "5"},
      "MODE=smoke runs its budgeted plan (MAX_STEPS=7 SAVE_STEPS=3 EVAL_TASKS=4)"),
@@ -87,8 +85,8 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert log[0] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"  # the preflight's last act
     assert "STOP_AFTER_STEP=5" in log[8] and "STOP_AFTER_STEP=None" in log[9]
     assert "EVAL_TASKS=4 training_vllm=down" in log[10]
-    steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "watchdog", "train",
-             "resume", "final-eval"]
+    steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "train", "resume",
+             "final-eval"]
     assert log[11] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
     assert "SMOKE REPORT: GO" in out.stdout
     assert_no_leftovers(job["token"])

@@ -16,10 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def setup_functions() -> str:
-    """setup.sh without its last line (`main "$@"`): its settings and functions, to call one by one."""
+    """setup.sh without its last line (`main "$@"`), and the image root's file main() sources: their settings and
+    functions, to call one by one."""
     text = (ROOT / "setup.sh").read_text()
-    assert text.endswith('\nmain "$@"\n')
-    return text.removesuffix('main "$@"\n')
+    assert text.endswith('\nmain "$@"\n') and "\n  source tests/chain/image_root.sh\n" in text
+    return text.removesuffix('main "$@"\n') + (ROOT / "tests" / "chain" / "image_root.sh").read_text()
 
 
 def run_install_chain_tools(tmp_path: Path, step: str = "install_chain_tools",
@@ -77,7 +78,7 @@ CLASSIC_OPTIONS = ("deb [arch=amd64 signed-by=/usr/share/keyrings/debian-archive
 
 
 def apt_mirror(etc_apt: Path) -> subprocess.CompletedProcess:
-    """setup.sh's `apt_mirror` on the apt configuration folder `etc_apt`, under setup.sh's own `set -euo pipefail`."""
+    """`apt_mirror` on the apt configuration folder `etc_apt`, under setup.sh's own `set -euo pipefail`."""
     script = setup_functions() + f"\napt_mirror {shlex.quote(str(etc_apt))}\necho went-on\n"
     return subprocess.run(["/bin/bash", "-c", script], capture_output=True, text=True, timeout=30, cwd=ROOT)
 

@@ -1,23 +1,23 @@
 """Stand-in for smoke_report.py in run_job.sh tests (the real one reads the Hub): records each call.
 
-plan --deadline: STUB_DEADLINE seconds (default 600); any other plan: the real smoke_report.py's (REAL_SMOKE_REPORT,
-pure arithmetic on recipe.py). clear: recorded. report: records the stage records run_job.sh wrote, prints
-STUB_REPORT's verdict and exits 0 for GO (default), 1 for NO-GO.
+plan: the real smoke_report.py's (REAL_SMOKE_REPORT, pure arithmetic on recipe.py), its deadline STUB_DEADLINE seconds
+(default 600). clear: recorded. report: records the stage records run_job.sh wrote, prints STUB_REPORT's verdict and
+exits 0 for GO (default), 1 for NO-GO.
 """
 
 import os
-import runpy
+import subprocess
 import sys
 from pathlib import Path
 
 args = sys.argv[1:]
-if args[:2] == ["plan", "--deadline"]:
-    print(os.environ.get("STUB_DEADLINE", "600"))
-    sys.exit(0)
 if args[0] == "plan":
-    real = Path(os.environ["REAL_SMOKE_REPORT"])
-    sys.path.insert(0, str(real.parent))
-    runpy.run_path(str(real), run_name="__main__")
+    real = subprocess.run([sys.executable, os.environ["REAL_SMOKE_REPORT"], *args], capture_output=True, text=True)
+    if real.returncode:
+        sys.exit(f"{real.stdout}{real.stderr}".rstrip())
+    said, numbers = real.stdout.splitlines()
+    print(said, numbers.rsplit(" ", 1)[0] + " " + os.environ.get("STUB_DEADLINE", "600"), sep="\n")
+    sys.exit(0)
 with open(os.environ["STUB_LOG"], "a") as log:
     if args[0] == "report":
         stages = Path(args[args.index("--stages") + 1]).read_text().splitlines()
