@@ -6,7 +6,10 @@
 #   DATASETS=/tmp/lfm-job/tasks/train SPACE_HOST=<job-id>--<PUBLIC_PORT>.hf.jobs bash serve_env.sh
 #   DRY_RUN=1 ... bash serve_env.sh         # print both commands and their environment only
 #
-# Its knobs, their defaults (recipe.py) and what each is for: docs/jobs.md "The servers".
+# Knobs (defaults from recipe.py; what each is: docs/jobs.md "The servers"): DATASETS and SPACE_HOST (required),
+# POLICY_URL, MODEL, SANDBOX (and its key), ENV_HOST, ENV_PORT, PUBLIC_HOST, PUBLIC_PORT, MAX_CONCURRENT_ENVS,
+# OPENCODE_VERSION, OPENENV_CAPTURE_ADMIN_KEY, GATEWAY_HEAD_TIMEOUT, GATEWAY_BODY_TIMEOUT, GATEWAY_IDLE_CONNECTIONS,
+# GATEWAY_RESTARTS, ALLOW_NON_LOOPBACK.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

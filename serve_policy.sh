@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
-# vLLM serving the policy (LiquidAI/LFM2.5-2.6B) for rollouts (training) or for eval (LORA=1).
-# Runs in the foreground (exec); callers background it, e.g. `start_bg vllm bash serve_policy.sh`.
+# vLLM serving the policy for rollouts (training) or for eval (LORA=1), in the foreground (exec): callers background it.
 #
 #   GPU=1 bash serve_policy.sh                    # training: the trainer streams weights in over NCCL
 #   LORA=1 GPU=0 bash serve_policy.sh             # eval: base model + runtime-loaded LoRA adapters
 #   DRY_RUN=1 bash serve_policy.sh                # print the command and its environment only
 #
-# Its knobs, their defaults (recipe.py), and why each fixed flag is on: docs/jobs.md "The servers".
+# Knobs (defaults: recipe.py; what each is, why the fixed flags are on: docs/jobs.md "The servers"): GPU, HOST, PORT,
+# MODEL, REVISION, SERVED_NAME, MAX_MODEL_LEN, LORA, MAX_LORAS, LORA_MODULES, VLLM, CHAT_TEMPLATE, ALLOW_NON_LOOPBACK.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
