@@ -200,11 +200,9 @@ def _redact(folder: Path, secret: str) -> None:
     """Replace `secret` in every file under `folder` (Harbor writes the rollout's capture session key, OpenCode's API
     key, into config.json, result.json and lock.json): it is dead once the rollout ends, but a kept folder is shared."""
     for path in folder.rglob("*") if secret else ():
-        try:
+        with contextlib.suppress(OSError):
             if path.is_file() and not path.is_symlink() and secret.encode() in (data := path.read_bytes()):
                 path.write_bytes(data.replace(secret.encode(), REDACTED.encode()))
-        except OSError:
-            continue
 
 
 # Rollouts finish on several threads of TRL's rollout child; one prune at a time.
