@@ -1,8 +1,5 @@
-"""The job's one public port: forwards the agent's `/capture/<model API path>` calls under a live session's key to
-the env server on loopback and answers 404 to everything else, so the task API, the capture proxy's session routes
-and vLLM stay unreachable from outside the job. serve_env.sh starts it; docs/jobs.md ("Ports") says what each limit
-(recipe.py GATEWAY_*, CAPTURE_MAX_BODY_BYTES) stops.
-"""
+"""The job's one public port (serve_env.sh starts it): forwards `/capture/<model API path>` calls under a live
+session's key to the env server on loopback, 404 to all else. What each limit stops: docs/jobs.md "Ports"."""
 
 from __future__ import annotations
 
@@ -11,7 +8,6 @@ import asyncio
 import os
 import re
 import resource
-import sys
 import time
 from collections.abc import Mapping
 from typing import Any, ClassVar
@@ -51,7 +47,7 @@ def _refused(status: int, error: str) -> JSONResponse:
 
 
 def session_key(headers: Mapping[str, str]) -> str | None:
-    """The capture session a request names, looked up where the capture proxy's extract_api_key looks."""
+    """The session key where the capture proxy's extract_api_key looks (importing openenv costs seconds a restart)."""
     auth = headers.get("authorization", "")
     if auth.lower().startswith("bearer ") and auth[7:].strip():
         return auth[7:].strip()
@@ -83,9 +79,6 @@ class LiveSessions:
                 except (httpx.HTTPError, ValueError, KeyError, TypeError):
                     self.ok = False
         return self.ok
-
-    async def live(self, key: str) -> bool:
-        return key in self.ids or (await self.read(time.monotonic()) and key in self.ids)
 
 
 async def capped_body(request: Request, limit: int = recipe.CAPTURE_MAX_BODY_BYTES) -> bytes | None:
@@ -123,7 +116,7 @@ def create_app(upstream: str, admin_key: str, body_timeout_s: float = recipe.GAT
         key = session_key(request.headers)
         if key is None:
             return _refused(401, "no capture session key: send the session as x-api-key (or Authorization: Bearer)")
-        if not await sessions.live(key):
+        if key not in sessions.ids and not (await sessions.read(time.monotonic()) and key in sessions.ids):
             return _refused(401, "unknown capture session key")
         request.scope.get("extensions", {}).get(_OWN, lambda: None)()
         try:
@@ -192,24 +185,16 @@ class Connection(H11Protocol):
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--listen-host", default="0.0.0.0")
-    parser.add_argument("--listen-port", type=int, default=recipe.PUBLIC_PORT)
-    parser.add_argument("--upstream", default=f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}",
-                        help="the env server (capture mounted at /capture), on loopback")
+    parser.add_argument("--listen-host", required=True)
+    parser.add_argument("--listen-port", type=int, required=True)
+    parser.add_argument("--upstream", required=True, help="the env server's root URL, on loopback")
     args = parser.parse_args()
-    admin_key = os.environ.get("OPENENV_CAPTURE_ADMIN_KEY", "")
-    try:
-        if not admin_key:
-            raise recipe.ConfigError("OPENENV_CAPTURE_ADMIN_KEY is not set: the gateway reads the live sessions with "
-                                     "the env server's admin key (serve_env.sh sets one for both)")
-        Connection.head_timeout_s = recipe.knob("GATEWAY_HEAD_TIMEOUT")
-        body_timeout_s = recipe.knob("GATEWAY_BODY_TIMEOUT")
-        # Idle connections get a quarter of the open files: the rest are the job's own, and their upstream ones.
-        files = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        Connection.limit = min(recipe.knob("GATEWAY_IDLE_CONNECTIONS"), files // 4)
-    except recipe.ConfigError as exc:
-        sys.exit(f"capture_gateway.py: {exc}")
-    uvicorn.run(create_app(args.upstream, admin_key, body_timeout_s), host=args.listen_host, port=args.listen_port,
+    # serve_env.sh has checked these knobs and set the env server's admin key. Idle connections get a quarter of the
+    # open files: the rest are the job's own, and their upstream ones.
+    Connection.head_timeout_s = recipe.knob("GATEWAY_HEAD_TIMEOUT")
+    Connection.limit = min(recipe.knob("GATEWAY_IDLE_CONNECTIONS"), resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
+    app = create_app(args.upstream, os.environ["OPENENV_CAPTURE_ADMIN_KEY"], recipe.knob("GATEWAY_BODY_TIMEOUT"))
+    uvicorn.run(app, host=args.listen_host, port=args.listen_port,
                 http=Connection, h11_max_incomplete_event_size=recipe.GATEWAY_MAX_HEAD_BYTES, ws="none",
                 log_level="error")  # not a warning per malformed request: a public port gets them by the thousand
 

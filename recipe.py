@@ -519,7 +519,7 @@ KNOBS: dict[str, Knob] = {
     "GATEWAY_HEAD_TIMEOUT": Knob(GATEWAY_HEAD_TIMEOUT_S, float),
     "GATEWAY_BODY_TIMEOUT": Knob(GATEWAY_BODY_TIMEOUT_S, float),
     "GATEWAY_IDLE_CONNECTIONS": Knob(GATEWAY_IDLE_CONNECTIONS, int),
-    "GATEWAY_RESTARTS": Knob(GATEWAY_RESTARTS, int),
+    "GATEWAY_RESTARTS": Knob(GATEWAY_RESTARTS, int, lo=0),  # 0: no restart
     "SPACE_HOST": Knob("", host_name),  # unset: the job scripts derive it from JOB_ID
     "DASHBOARD_SPACE": Knob(DASHBOARD_SPACE, space_name),
     "REPORT_TO": Knob(REPORT_TO, REPORTERS, why="the job installs Trackio and no other dashboard"),

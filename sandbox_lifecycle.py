@@ -1,7 +1,6 @@
-"""Sandbox lifecycle: each backend's sandbox lifetime and the shared E2B template (patched into Harbor in the env
-server's process by seam_patch.py serve), each rollout's setup timing and its trial folder's cleanup (trainer and eval
-side). Harbor and OpenEnv are imported inside the functions: smoke_report imports this module for its key names.
-What each lifetime and the template stop: docs/sandboxes.md.
+"""Each backend's sandbox lifetime and the shared E2B template (patched into the env server's Harbor by seam_patch.py),
+each rollout's setup timing and its trial folder's cleanup (docs/sandboxes.md). Harbor is imported inside the
+functions: smoke_report imports this module for its key names.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import re
 import shutil
 import sys
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from datetime import datetime
 from pathlib import Path
 from typing import Any
@@ -49,8 +48,8 @@ def template_name(image: str, cpus: float | None, memory_mb: int | None) -> str:
     return f"{readable[:48]}-{hashlib.sha256(f'{image}|{cpus}|{memory_mb}'.encode()).hexdigest()[:10]}"
 
 
-class LifecycleShapeError(RuntimeError):
-    """The installed Harbor is not the shape the lifetime patch was written against."""
+class ShapeError(RuntimeError):
+    """The installed Harbor or openenv is not the shape the env server's patches (here, seam_patch) were written for."""
 
 
 def setup_seconds(timing: Mapping[str, float]) -> float | None:
@@ -85,8 +84,51 @@ def _share_template(environment: Any) -> None:
     environment._does_template_exist = ready
 
 
-def _with_idle_timeout(original: Callable[..., Any]) -> Callable[..., Any]:
-    """Wrap Harbor's environment factory so a trial's config carries its backend's lifetime (lifetime_kwargs)."""
+def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
+    """Run Harbor's preflight for `sandbox` (SystemExit with its line), build an environment through Harbor's factory
+    as a trial does (nothing starts) and say what its start will ask the backend for; ShapeError if that is not the
+    recipe's lifetime, or Harbor changed shape."""
+    import tempfile
+
+    from harbor.environments.factory import EnvironmentFactory
+    from harbor.models.environment_type import EnvironmentType
+    from harbor.models.task.config import EnvironmentConfig as TaskEnvironmentConfig
+    from harbor.models.trial.config import EnvironmentConfig
+    from harbor.models.trial.paths import TrialPaths
+
+    if sandbox != recipe.SANDBOX:  # hf-sandbox's HF_TOKEN is the job's own first check
+        EnvironmentFactory.run_preflight(EnvironmentType(sandbox))
+    with tempfile.TemporaryDirectory() as probe:
+        try:
+            environment = EnvironmentFactory.create_environment_from_config(
+                config=EnvironmentConfig(type=EnvironmentType(sandbox)), environment_dir=Path(probe),
+                environment_name="probe", session_id="probe__env", trial_paths=TrialPaths(Path(probe)),
+                task_env_config=TaskEnvironmentConfig(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS,
+                                                      memory_mb=recipe.TASK_MEMORY_MB))
+            asked = {kwarg: getattr(environment, _LANDS_IN[kwarg]) for kwarg in lifetime_kwargs(sandbox)}
+        except (AttributeError, TypeError) as error:
+            raise ShapeError(f"harbor's {sandbox} environment changed shape ({error}): the lifetime patch "
+                             "needs updating for this harbor version") from None
+    if asked != lifetime_kwargs(sandbox):
+        raise ShapeError(f"a {sandbox} trial would ask for {asked}, not {lifetime_kwargs(sandbox)}: the "
+                         "lifetime patch is not in effect")
+    if sandbox == "daytona":
+        return (f"{sandbox} trials ask for auto_stop_interval={asked['auto_stop_interval_mins']} min and "
+                "auto_delete_interval=0 (deleted once stopped)")
+    if sandbox == "e2b":
+        return (f"{sandbox} trials ask for timeout={asked['sandbox_timeout_secs']} s; every task of "
+                f"{recipe.TASK_IMAGE} uses template {environment._template_name}")
+    return f"{sandbox} trials ask for idle_timeout={asked[IDLE_KWARG]} s"
+
+
+def apply_idle_timeout() -> bool:
+    """Patch this process's Harbor environment factory so every trial's config carries its backend's lifetime
+    (lifetime_kwargs) and a prebuilt-image E2B trial shares its template; False if already done."""
+    from harbor.environments.factory import EnvironmentFactory
+
+    original = EnvironmentFactory.create_environment_from_config  # bound to the class
+    if getattr(original, _PATCHED, False):
+        return False
 
     @functools.wraps(original)
     def create_environment_from_config(cls: type, config: Any, *args: Any, **kwargs: Any) -> Any:
@@ -100,54 +142,7 @@ def _with_idle_timeout(original: Callable[..., Any]) -> Callable[..., Any]:
         return environment
 
     setattr(create_environment_from_config, _PATCHED, True)
-    return create_environment_from_config
-
-
-def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
-    """Build a `sandbox` environment through Harbor's factory as a trial does (nothing starts) and say what its start
-    will ask the backend for; LifecycleShapeError if that is not the recipe's lifetime, or Harbor changed shape."""
-    import tempfile
-
-    from harbor.environments.factory import EnvironmentFactory
-    from harbor.models.environment_type import EnvironmentType
-    from harbor.models.task.config import EnvironmentConfig as TaskEnvironmentConfig
-    from harbor.models.trial.config import EnvironmentConfig
-    from harbor.models.trial.paths import TrialPaths
-
-    with tempfile.TemporaryDirectory() as probe:
-        try:
-            environment = EnvironmentFactory.create_environment_from_config(
-                config=EnvironmentConfig(type=EnvironmentType(sandbox)), environment_dir=Path(probe),
-                environment_name="probe", session_id="probe__env", trial_paths=TrialPaths(Path(probe)),
-                task_env_config=TaskEnvironmentConfig(docker_image=recipe.TASK_IMAGE, cpus=recipe.TASK_CPUS,
-                                                      memory_mb=recipe.TASK_MEMORY_MB))
-            asked = {kwarg: getattr(environment, _LANDS_IN[kwarg]) for kwarg in lifetime_kwargs(sandbox)}
-        except ImportError as error:  # Harbor's MissingExtraError: the backend's SDK is not installed
-            raise LifecycleShapeError(f"SANDBOX={sandbox} needs its SDK ({str(error).splitlines()[0]}): pip install -r "
-                                      f"{recipe.SANDBOXES[sandbox]['requirements']}") from None
-        except (AttributeError, TypeError) as error:
-            raise LifecycleShapeError(f"harbor's {sandbox} environment changed shape ({error}): the lifetime patch "
-                                      "needs updating for this harbor version") from None
-    if asked != lifetime_kwargs(sandbox):
-        raise LifecycleShapeError(f"a {sandbox} trial would ask for {asked}, not {lifetime_kwargs(sandbox)}: the "
-                                  "lifetime patch is not in effect")
-    if sandbox == "daytona":
-        return (f"{sandbox} trials ask for auto_stop_interval={asked['auto_stop_interval_mins']} min and "
-                "auto_delete_interval=0 (deleted once stopped)")
-    if sandbox == "e2b":
-        return (f"{sandbox} trials ask for timeout={asked['sandbox_timeout_secs']} s; every task of "
-                f"{recipe.TASK_IMAGE} uses template {environment._template_name}")
-    return f"{sandbox} trials ask for idle_timeout={asked[IDLE_KWARG]} s"
-
-
-def apply_idle_timeout() -> bool:
-    """Patch this process's Harbor so every trial gets its backend's lifetime; False if already done."""
-    from harbor.environments.factory import EnvironmentFactory
-
-    if getattr(EnvironmentFactory.create_environment_from_config, _PATCHED, False):
-        return False
-    original = EnvironmentFactory.create_environment_from_config  # bound to the class
-    EnvironmentFactory.create_environment_from_config = classmethod(_with_idle_timeout(original))
+    EnvironmentFactory.create_environment_from_config = classmethod(create_environment_from_config)
     return True
 
 
@@ -157,9 +152,8 @@ def _seconds(start: datetime | None, end: datetime | None) -> float | None:
 
 
 def trial_timing(trial_dir: Path) -> dict[str, float]:
-    """Seconds per part of one Harbor trial, from its result file; {} if Harbor wrote none (or it is unreadable).
-    Harbor does not time the healthcheck (the task's data pull): it is the gap before agent setup, or to its failure.
-    The line per rollout goes to stderr: TRL's rollout child has no logging set up, its stderr reaches the job's log."""
+    """Seconds per part of one Harbor trial from its result file ({} without one), also said on stderr (TRL's rollout
+    child has no logging). Harbor does not time the healthcheck: it is the gap before agent setup, or to its failure."""
     from harbor.environments.base import HealthcheckError
     from harbor.models.trial.paths import TrialPaths
     from harbor.models.trial.result import TrialResult
@@ -168,11 +162,8 @@ def trial_timing(trial_dir: Path) -> dict[str, float]:
     path = TrialPaths(Path(trial_dir)).result_path
     try:
         result = TrialResult.model_validate_json(path.read_text())
-    except FileNotFoundError:
-        return {}
-    except (OSError, ValidationError) as error:
-        print(f"sandbox_lifecycle: {path} is not a Harbor trial result, no timing: {error}", file=sys.stderr,
-              flush=True)
+    except (OSError, ValidationError) as error:  # a trial Harbor wrote no result for, or an unreadable one
+        print(f"sandbox_lifecycle: no timing from {path}: {error}", file=sys.stderr, flush=True)
         return {}
     environment, agent_setup = result.environment_setup, result.agent_setup
     spans: dict[str, float | None] = {}
@@ -202,19 +193,6 @@ def _size_bytes(folder: Path) -> int:
     return total
 
 
-def _finished_newest_first(trials: Path) -> list[Path]:
-    """Trial folders under `trials` whose result file Harbor has written, the newest result first."""
-    from harbor.models.trial.paths import TrialPaths
-
-    dated = []
-    for folder in trials.iterdir() if trials.is_dir() else ():
-        try:
-            dated.append((TrialPaths(folder).result_path.stat().st_mtime, folder))
-        except OSError:  # not a folder, still running, or removed meanwhile
-            continue
-    return [folder for _mtime, folder in sorted(dated, reverse=True)]
-
-
 REDACTED = "<capture session key redacted>"
 
 
@@ -222,11 +200,9 @@ def _redact(folder: Path, secret: str) -> None:
     """Replace `secret` in every file under `folder` (Harbor writes the rollout's capture session key, OpenCode's API
     key, into config.json, result.json and lock.json): it is dead once the rollout ends, but a kept folder is shared."""
     for path in folder.rglob("*") if secret else ():
-        try:
+        with contextlib.suppress(OSError):
             if path.is_file() and not path.is_symlink() and secret.encode() in (data := path.read_bytes()):
                 path.write_bytes(data.replace(secret.encode(), REDACTED.encode()))
-        except OSError:
-            continue
 
 
 # Rollouts finish on several threads of TRL's rollout child; one prune at a time.
@@ -239,17 +215,20 @@ def finish_trial(trial_dir: Path, *, failed: bool, session_key: str = "") -> Non
     are pruned to recipe.FAILED_TRIALS_KEEP_MB, newest first."""
     from harbor.models.trial.paths import TrialPaths
 
-    trial_dir = Path(trial_dir)
+    paths = TrialPaths(Path(trial_dir))
     # Only a folder Harbor started a trial in (its config.json): `trials_dir / ""` is the whole trials folder.
-    if not TrialPaths(trial_dir).config_path.is_file():
+    if not paths.config_path.is_file():
         return
     if not failed:
-        shutil.rmtree(trial_dir, ignore_errors=True)
+        shutil.rmtree(paths.trial_dir, ignore_errors=True)
         return
-    _redact(trial_dir, session_key)
-    budget, kept = recipe.FAILED_TRIALS_KEEP_MB * 2**20, 0
+    _redact(paths.trial_dir, session_key)
+    budget, kept, finished = recipe.FAILED_TRIALS_KEEP_MB * 2**20, 0, []
     with _PRUNE_LOCK:
-        for folder in _finished_newest_first(trial_dir.parent):
+        for result in paths.trial_dir.parent.glob(f"*/{paths.result_path.name}"):  # never a running trial's folder
+            with contextlib.suppress(OSError):  # removed meanwhile by another rollout's cleanup
+                finished.append((result.stat().st_mtime, result.parent))
+        for _mtime, folder in sorted(finished, reverse=True):
             size = _size_bytes(folder)
             if kept + size > budget:
                 shutil.rmtree(folder, ignore_errors=True)

@@ -1,10 +1,9 @@
-"""The env server's in-process patches, applied before it starts: OpenCode also sends its capture session as
-`x-api-key` (the HF Jobs proxy strips `Authorization`), every trial gets its backend's sandbox lifetime
-(sandbox_lifecycle), daytona/e2b pass Harbor's own preflight, and each rollout's result counts its model calls that
-failed at the engine (openenv 0.10 leaves them out: recipe.UPSTREAM_FINDING). No installed file is edited.
+"""The env server's in-process patches (no installed file is edited): OpenCode also sends its capture session as
+`x-api-key` (the HF Jobs proxy strips `Authorization`), each trial gets its backend's sandbox lifetime and Harbor's
+preflight (sandbox_lifecycle), each rollout's result counts its model calls that failed at the engine.
 
-    python3 seam_patch.py check                                  # apply + verify, one line each
-    python3 seam_patch.py serve -- harbor serve --llm-url ...    # apply, verify, run `openenv ...`
+    python3 seam_patch.py check                                  # patch and check, one line each
+    python3 seam_patch.py serve -- harbor serve --llm-url ...    # the same, then run `openenv ...`
 """
 
 from __future__ import annotations
@@ -18,22 +17,11 @@ from openenv.harbor import seams
 
 import recipe
 import sandbox_lifecycle
+from sandbox_lifecycle import ShapeError
 
 HARNESS = "opencode"
 HEADER = "x-api-key"
 _PATCHED = "_x_api_key_patched"  # marks a wrapper: a second apply changes nothing
-
-
-class SeamShapeError(RuntimeError):
-    """The installed openenv's opencode seam is not the shape this patch was written against."""
-
-
-def _provider_options(config: dict[str, Any]) -> dict[str, Any]:
-    try:
-        return config["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
-    except (KeyError, TypeError):
-        raise SeamShapeError(f"openenv's {HARNESS} seam no longer returns opencode_config.provider."
-                             f"{seams.OPENCODE_PROVIDER}.options: the x-api-key patch needs updating") from None
 
 
 def _with_header(original: Any) -> Any:
@@ -41,7 +29,7 @@ def _with_header(original: Any) -> Any:
 
     def kwargs(base_url: str, session: str, model: str) -> dict[str, Any]:
         config = original(base_url, session, model)
-        options = _provider_options(config)
+        options = config["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
         options["headers"] = {**(options.get("headers") or {}), HEADER: session}
         return config
 
@@ -49,26 +37,8 @@ def _with_header(original: Any) -> Any:
     return kwargs
 
 
-def apply() -> bool:
-    """Patch the opencode seam in this process and resolve it as a rollout does; False if already done."""
-    seam = seams.SEAMS.get(HARNESS)
-    if seam is None:
-        raise SeamShapeError(f"openenv.harbor.seams has no {HARNESS!r} seam; cannot patch it")
-    if getattr(seam.kwargs, _PATCHED, False):
-        return False
-    seams.SEAMS[HARNESS] = replace(seam, kwargs=_with_header(seam.kwargs))
-    probe = "probe-session"
-    _model, kwargs, _agent_env, _proc_env = seams.get(HARNESS).resolve(
-        base_url="https://example.invalid/capture", session=probe, model="org/model")
-    options = _provider_options(kwargs)
-    if options.get("apiKey") != probe or options["headers"].get(HEADER) != probe:
-        raise SeamShapeError(f"the {HARNESS} seam does not carry the session as both apiKey and {HEADER}")
-    return True
-
-
 def _with_upstream_errors(export: Any) -> Any:
-    """Wrap the export run_rollout takes a finished rollout's capture with, so its findings (which run_rollout copies
-    into the result) also say how many of its model calls failed at the engine."""
+    """Wrap run_rollout's capture export so a rollout's findings also count its calls that failed at the engine."""
 
     def export_session(session: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
         document = export(session, *args, **kwargs)
@@ -81,14 +51,20 @@ def _with_upstream_errors(export: Any) -> Any:
     return export_session
 
 
-def apply_upstream_report() -> bool:
-    """Patch openenv.harbor.rollout's export_session in this process; False if already done."""
-    from openenv.harbor import rollout
-
-    if getattr(rollout.export_session, _PATCHED, False):
-        return False
-    rollout.export_session = _with_upstream_errors(rollout.export_session)
-    return True
+def apply() -> None:
+    """Patch the opencode seam in this process (once), then resolve it as a rollout does."""
+    try:
+        if not getattr(seams.SEAMS[HARNESS].kwargs, _PATCHED, False):
+            seams.SEAMS[HARNESS] = replace(seams.SEAMS[HARNESS], kwargs=_with_header(seams.SEAMS[HARNESS].kwargs))
+        _model, kwargs, _env, _proc = seams.get(HARNESS).resolve(
+            base_url="https://example.invalid/capture", session="probe-session", model="org/model")
+        options = kwargs["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
+        sent = options["apiKey"], options["headers"][HEADER]
+    except (KeyError, TypeError) as error:
+        raise ShapeError(f"openenv's {HARNESS} seam is not the shape the x-api-key patch expects (its "
+                         f"opencode_config.provider.{seams.OPENCODE_PROVIDER}.options; missing: {error})") from None
+    if sent != ("probe-session", "probe-session"):
+        raise ShapeError(f"the {HARNESS} seam does not send the session as apiKey and {HEADER}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -100,15 +76,16 @@ def main(argv: list[str] | None = None) -> None:
         sandbox = recipe.knob("SANDBOX")
         apply()
         sandbox_lifecycle.apply_idle_timeout()
-        if sandbox != recipe.SANDBOX:  # hf-sandbox's HF_TOKEN is the job's own first check
-            from harbor.environments.factory import EnvironmentFactory
-            from harbor.models.environment_type import EnvironmentType
-
-            EnvironmentFactory.run_preflight(EnvironmentType(sandbox))  # SystemExit with Harbor's line
         lifetime = sandbox_lifecycle.verify_lifetime(sandbox)
-        apply_upstream_report()
-    except (SeamShapeError, sandbox_lifecycle.LifecycleShapeError, recipe.ConfigError) as exc:
+        from openenv.harbor import rollout
+
+        if not getattr(rollout.export_session, _PATCHED, False):
+            rollout.export_session = _with_upstream_errors(rollout.export_session)
+    except (ShapeError, recipe.ConfigError) as exc:
         sys.exit(f"seam_patch: {exc}")
+    except ImportError:  # Harbor's, several lines naming an extra without our pins
+        sys.exit(f"seam_patch: SANDBOX={sandbox} needs its SDK: pip install -r <(python3 recipe.py --requirements "
+                 f"{sandbox})")
     except SystemExit as exc:
         sys.exit(f"seam_patch: Harbor's {sandbox} preflight: {exc.code}")
     print(f"seam_patch: {HARNESS} seam sends the capture session as apiKey and {HEADER}", flush=True)

@@ -14,37 +14,17 @@ set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-# Prints the env server's environment assignments, one per line (no secrets: those are inherited).
-server_env() {
-  echo "SPACE_HOST=$SPACE_HOST"
-  echo "SANDBOX=$SANDBOX"
-  echo "MAX_CONCURRENT_ENVS=${MAX_CONCURRENT_ENVS:-$(recipe ENV_MAX_SESSIONS)}"
-  echo "OPENENV_HARBOR_AGENT_VERSIONS={\"opencode\": \"${OPENCODE_VERSION:-$(recipe OPENCODE_VERSION)}\"}"
-  echo "ENABLE_WEB_INTERFACE=false"
-}
-
-# Prints the env server command, one argument per line.
-server_cmd() {
-  local dataset
-  printf '%s\n' "$PYTHON" "$HERE/seam_patch.py" serve -- harbor serve \
-    --llm-url "$POLICY_URL" --model "${MODEL:-$(recipe SERVED_MODEL_NAME)}" \
-    --host "$ENV_HOST" --port "$ENV_PORT" --max-output-tokens "$(recipe MAX_TOKENS)"
-  for dataset in $DATASETS; do printf '%s\n' --dataset "$dataset"; done
-}
-
 check_inputs() {
+  env_knobs SPACE_HOST ALLOW_NON_LOOPBACK ENV_PORT PUBLIC_PORT GATEWAY_HEAD_TIMEOUT GATEWAY_BODY_TIMEOUT \
+    GATEWAY_IDLE_CONNECTIONS GATEWAY_RESTARTS
   [ -n "${DATASETS:-}" ] || die "DATASETS is not set: point it at the task folders prepare_tasks.py wrote"
   local dataset
   if ! dry_run; then
     for dataset in $DATASETS; do [ -d "$dataset" ] || die "DATASETS entry $dataset is not a folder: run prepare_tasks.py first"; done
   fi
-  [ -n "${SPACE_HOST:-}" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
-  env_knobs SPACE_HOST ALLOW_NON_LOOPBACK GATEWAY_HEAD_TIMEOUT GATEWAY_BODY_TIMEOUT GATEWAY_IDLE_CONNECTIONS \
-    GATEWAY_RESTARTS
-  if [ "$ENV_HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
-    die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"
-  fi
-  [ "$ENV_PORT" != "$PUBLIC_PORT" ] || die "ENV_PORT and PUBLIC_PORT are both $ENV_PORT: the task API must not share the public port"
+  [ -n "$SPACE_HOST" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
+  [ "$ENV_HOST" = "$(recipe LOOPBACK)" ] || [ "$ALLOW_NON_LOOPBACK" = "1" ] \
+    || die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"
   require_sandbox_credentials
   port_free "$ENV_PORT"
   port_free "$PUBLIC_PORT"
@@ -53,15 +33,19 @@ check_inputs() {
 main() {
   POLICY_URL="${POLICY_URL:-http://$(recipe LOOPBACK):$(recipe VLLM_PORT)}"
   ENV_HOST="${ENV_HOST:-$(recipe LOOPBACK)}"
-  ENV_PORT="${ENV_PORT:-$(recipe ENV_PORT)}"
-  PUBLIC_HOST="${PUBLIC_HOST:-0.0.0.0}"
-  PUBLIC_PORT="${PUBLIC_PORT:-$(recipe PUBLIC_PORT)}"
   check_inputs
-  local -a env_vars server gateway
-  mapfile -t env_vars < <(server_env)
-  mapfile -t server < <(server_cmd)
-  gateway=("$PYTHON" "$HERE/capture_gateway.py" --listen-host "$PUBLIC_HOST" --listen-port "$PUBLIC_PORT"
-           --upstream "http://$ENV_HOST:$ENV_PORT")
+  local dataset
+  # The env server's environment (no secrets: those are inherited) and command, and the gateway's.
+  local -a env_vars=("SPACE_HOST=$SPACE_HOST" "SANDBOX=$SANDBOX"
+    "MAX_CONCURRENT_ENVS=${MAX_CONCURRENT_ENVS:-$(recipe ENV_MAX_SESSIONS)}"
+    "OPENENV_HARBOR_AGENT_VERSIONS={\"opencode\": \"${OPENCODE_VERSION:-$(recipe OPENCODE_VERSION)}\"}"
+    ENABLE_WEB_INTERFACE=false)
+  local -a server=("$PYTHON" "$HERE/seam_patch.py" serve -- harbor serve
+    --llm-url "$POLICY_URL" --model "${MODEL:-$(recipe SERVED_MODEL_NAME)}"
+    --host "$ENV_HOST" --port "$ENV_PORT" --max-output-tokens "$(recipe MAX_TOKENS)")
+  for dataset in $DATASETS; do server+=(--dataset "$dataset"); done
+  local -a gateway=("$PYTHON" "$HERE/capture_gateway.py" --listen-host "${PUBLIC_HOST:-0.0.0.0}"
+    --listen-port "$PUBLIC_PORT" --upstream "http://$ENV_HOST:$ENV_PORT")
   if dry_run; then
     show_cmd env "${env_vars[@]}" "${server[@]}"
     show_cmd "${gateway[@]}"

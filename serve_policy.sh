@@ -1,14 +1,12 @@
 #!/usr/bin/env bash
-# vLLM serving the policy (LiquidAI/LFM2.5-2.6B) for rollouts (training) or for eval (LORA=1).
-# Runs in the foreground (exec); callers background it, e.g. `start_bg vllm bash serve_policy.sh`.
+# vLLM serving the policy for rollouts (training) or for eval (LORA=1), in the foreground (exec): callers background it.
 #
 #   GPU=1 bash serve_policy.sh                    # training: the trainer streams weights in over NCCL
 #   LORA=1 GPU=0 bash serve_policy.sh             # eval: base model + runtime-loaded LoRA adapters
 #   DRY_RUN=1 bash serve_policy.sh                # print the command and its environment only
 #
-# Knobs (defaults from recipe.py; what each is and why the fixed flags are on: docs/jobs.md "The servers"): GPU,
-# HOST (other than loopback needs ALLOW_NON_LOOPBACK=1: the weight-update endpoints have no authentication), PORT,
-# MODEL, REVISION, SERVED_NAME, MAX_MODEL_LEN, LORA, MAX_LORAS, LORA_MODULES, VLLM, CHAT_TEMPLATE.
+# Knobs (defaults: recipe.py; what each is, why the fixed flags are on: docs/jobs.md "The servers"): GPU, HOST, PORT,
+# MODEL, REVISION, SERVED_NAME, MAX_MODEL_LEN, LORA, MAX_LORAS, LORA_MODULES, VLLM, CHAT_TEMPLATE, ALLOW_NON_LOOPBACK.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -35,26 +33,19 @@ vllm_args() {
   fi
 }
 
-# Prints the environment assignments vLLM runs under, one per line.
-vllm_env() {
-  echo "CUDA_VISIBLE_DEVICES=$GPU"
-  if [ "$LORA" = "1" ]; then echo "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True"; else echo "VLLM_SERVER_DEV_MODE=1"; fi
-}
-
 main() {
   GPU="${GPU:-$(recipe VLLM_GPU)}"
   HOST="${HOST:-$(recipe LOOPBACK)}"
   PORT="${PORT:-$(recipe VLLM_PORT)}"
   CHAT_TEMPLATE="${CHAT_TEMPLATE:-$LOG_DIR/chat_template.jinja}"
   env_knobs LORA ALLOW_NON_LOOPBACK MAX_LORAS
-  if [ "$HOST" != "$(recipe LOOPBACK)" ] && [ "$ALLOW_NON_LOOPBACK" != "1" ]; then
-    die "HOST=$HOST would expose vLLM's unauthenticated endpoints: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1 on a private network"
-  fi
+  [ "$HOST" = "$(recipe LOOPBACK)" ] || [ "$ALLOW_NON_LOOPBACK" = "1" ] \
+    || die "HOST=$HOST would expose vLLM's unauthenticated endpoints: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1 on a private network"
   [ -n "${LORA_MODULES:-}" ] && [ "$LORA" != "1" ] && die "LORA_MODULES needs LORA=1"
   require_gpus "$GPU"
   port_free "$PORT"
-  local -a env_vars cmd
-  mapfile -t env_vars < <(vllm_env)
+  local -a env_vars=("CUDA_VISIBLE_DEVICES=$GPU") cmd
+  if [ "$LORA" = "1" ]; then env_vars+=(VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); else env_vars+=(VLLM_SERVER_DEV_MODE=1); fi
   mapfile -t cmd < <(vllm_args)
   if dry_run; then
     echo "  write the chat template vLLM serves: $PYTHON chat_template.py $CHAT_TEMPLATE"

@@ -203,7 +203,7 @@ def test_a_harbor_that_drops_the_lifetime_stops_the_env_server_in_one_line(env_s
             del self._idle_timeout
 
     monkeypatch.setattr(hf_sandbox.HFSandboxEnvironment, "__init__", drifted)
-    with pytest.raises(sandbox_lifecycle.LifecycleShapeError) as error:
+    with pytest.raises(sandbox_lifecycle.ShapeError) as error:
         sandbox_lifecycle.verify_lifetime("hf-sandbox")
     assert said in str(error.value) and "\n" not in str(error.value)
 
@@ -304,7 +304,7 @@ def test_a_trial_without_a_result_file_has_no_timing(tmp_path, capsys):
     assert sandbox_lifecycle.trial_timing(tmp_path / "running") == {}
     (tmp_path / "running" / "result.json").write_text("{}")
     assert sandbox_lifecycle.trial_timing(tmp_path / "running") == {}
-    assert "is not a Harbor trial result" in capsys.readouterr().err
+    assert "no timing from" in capsys.readouterr().err
 
 
 # --- trial folders ---------------------------------------------------------------------------------------------------

@@ -15,6 +15,7 @@ from stubs import upstream_double
 from stubs.procs import free_port, start, stop, wait_http
 
 import seam_patch
+from sandbox_lifecycle import ShapeError
 
 ROOT = Path(__file__).resolve().parents[1]
 SESSION = "rollout-session-1"
@@ -25,7 +26,7 @@ ADMIN = "test-admin-key"
 def patched(monkeypatch):
     """Apply the patch, restoring the pristine seam table afterwards."""
     monkeypatch.setitem(seams.SEAMS, "opencode", seams.SEAMS["opencode"])
-    assert seam_patch.apply() in (True, False)
+    seam_patch.apply()
     return seams.SEAMS["opencode"]
 
 
@@ -65,7 +66,7 @@ def test_training_resolution_keeps_header_and_training_profile(patched):
 def test_apply_twice_changes_nothing(patched):
     before = seams.SEAMS["opencode"]
     config_before = resolve()
-    assert seam_patch.apply() is False
+    seam_patch.apply()
     assert seams.SEAMS["opencode"] is before
     assert resolve() == config_before
 
@@ -73,13 +74,13 @@ def test_apply_twice_changes_nothing(patched):
 def test_unexpected_seam_shape_is_a_clear_error(monkeypatch):
     odd = replace(seams.SEAMS["opencode"], kwargs=lambda base_url, session, model: {"opencode_config": {}})
     monkeypatch.setitem(seams.SEAMS, "opencode", odd)
-    with pytest.raises(seam_patch.SeamShapeError, match="opencode_config.provider.intercepted.options"):
+    with pytest.raises(ShapeError, match="opencode_config.provider.intercepted.options; missing: 'provider'"):
         seam_patch.apply()
 
 
 def test_missing_seam_is_a_clear_error(monkeypatch):
     monkeypatch.delitem(seams.SEAMS, "opencode")
-    with pytest.raises(seam_patch.SeamShapeError, match="no 'opencode' seam"):
+    with pytest.raises(ShapeError, match="opencode seam is not the shape .* missing: 'opencode'"):
         seam_patch.apply()
 
 

@@ -164,7 +164,7 @@ def test_policy_execs_vllm_on_its_gpu(tmp_path):
         ({"ENV_HOST": "0.0.0.0"}, "would expose the env server's task API"),
         ({"ENV_HOST": "0.0.0.0", "ALLOW_NON_LOOPBACK": "2"}, "ALLOW_NON_LOOPBACK='2' is not a yes/no value"),
         ({"DRY_RUN": "perhaps"}, "DRY_RUN='perhaps' is not a yes/no value"),
-        ({"ENV_PORT": "8000", "PUBLIC_PORT": "8000"}, "must not share the public port"),
+        ({"ENV_PORT": "8000", "PUBLIC_PORT": "8000"}, "ENV_PORT and PUBLIC_PORT are both 8000"),
     ],
 )
 def test_env_bad_input_stops_with_one_line(tmp_path, extra, message):
@@ -683,6 +683,29 @@ def test_a_killed_gateway_is_restarted_while_the_env_server_and_its_sessions_go_
     assert "capture gateway exited (status 137); restarting it (1 of 1 in a row)" in text
     assert "capture gateway exited (status 137) after 1 restarts in a row (GATEWAY_RESTARTS)" in text
     assert proc.returncode != 0
+
+
+@pytest.mark.parametrize("restarts", [0, 1])
+def test_gateway_restarts_counts_the_restarts_and_0_means_none(tmp_path, restarts):
+    """GATEWAY_RESTARTS=N: serve_env.sh starts an exiting gateway N + 1 times, then stops, saying so; 0 is allowed.
+    The env server and the gateway are a PYTHON wrapper's stand-ins (a sleep, an exit 3); recipe.py runs for real."""
+    python = tmp_path / "python"
+    python.write_text(f"""#!/usr/bin/env bash
+case "$1" in
+  */seam_patch.py) exec sleep 60 ;;
+  */capture_gateway.py) echo started >>"{tmp_path}/gateway.starts"; exit 3 ;;
+  *) exec "$REAL_PYTHON" "$@" ;;
+esac
+""")
+    python.chmod(0o755)
+    env_port, public_port = free_ports(2)
+    env = bash_env(tmp_path, PYTHON=str(python), DATASETS=str(tmp_path), SPACE_HOST="job--8000.hf.jobs",
+                   HF_TOKEN="hf_dummy", ENV_PORT=str(env_port), PUBLIC_PORT=str(public_port),
+                   GATEWAY_RESTARTS=str(restarts))
+    out = run("serve_env.sh", env)
+    assert out.returncode != 0
+    assert f"capture gateway exited (status 3) after {restarts} restarts in a row (GATEWAY_RESTARTS)" in out.stderr
+    assert (tmp_path / "gateway.starts").read_text().count("started") == restarts + 1
 
 
 # --- stretch: the real OpenCode client through a proxy that strips Authorization ---------------------
