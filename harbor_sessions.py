@@ -1,13 +1,12 @@
-"""OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client.
-
-One session is one `HarborEnv.run_rollout` call to the env server (sandbox, OpenCode through the capture proxy, the
-task's verifier); the sessions are openenv `TrainableSession`s, as TRL 1.15's loop-owning worker requires. How they are
-used, and OpenEnv's purpose rules: docs/training.md "Harbor sessions".
-"""
+"""OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client: one session is one
+`HarborEnv.run_rollout` call to the env server (sandbox, OpenCode through the capture proxy, the task's verifier), an
+openenv `TrainableSession` as TRL 1.15's loop-owning worker requires. Usage and OpenEnv's purpose rules:
+docs/training.md "Harbor sessions"."""
 
 from __future__ import annotations
 
 import hashlib
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -44,8 +43,9 @@ class HarborRolloutSession(ResourceSession):
 
     def __init__(self, env_url: str, *, split: str, task_index: int, task_name: str = "", instruction: str = "",
                  llm_url: str = "", model: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
-                 agent_timeout_sec: float = 0.0, agent_step_limit: int = 0, purpose: str = "train",
-                 sampling: dict[str, Any] | None = None, eval_sampling: dict[str, Any] | None = None) -> None:
+                 agent_timeout_sec: float = recipe.AGENT_TIMEOUT_SEC, agent_step_limit: int = recipe.AGENT_CALL_LIMIT,
+                 purpose: str = "train", sampling: dict[str, Any] | None = None,
+                 eval_sampling: dict[str, Any] | None = None) -> None:
         if purpose == "train" and sampling is None:
             raise ValueError("a training rollout needs the trainer's sampling policy (TRL passes it to the factory)")
         self.env_url, self.split, self.task_index, self.task_name = env_url, split, task_index, task_name
@@ -144,8 +144,8 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
     _lock = threading.Lock()  # the class's, not an instance's: TRL pickles the factory into its spawned child
 
     def __init__(self, env_url: str, *, split: str = "", llm_url: str = "", model: str = "", harness: str = "opencode",
-                 sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = 0.0, agent_step_limit: int = 0,
-                 sampling: dict[str, Any] | None = None) -> None:
+                 sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = recipe.AGENT_TIMEOUT_SEC,
+                 agent_step_limit: int = recipe.AGENT_CALL_LIMIT, sampling: dict[str, Any] | None = None) -> None:
         self.env_url, self.split = env_url.rstrip("/"), split
         self.session_kwargs = {"llm_url": llm_url, "model": model, "harness": harness, "sandbox": sandbox,
                                "agent_timeout_sec": agent_timeout_sec, "agent_step_limit": agent_step_limit}
@@ -191,8 +191,8 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
 
 
 def check() -> str:
-    """Prove, in the job's own interpreter, that these sessions are TrainableSessions by the installed openenv's
-    protocol: TRL 1.15 would otherwise refuse the first rollout, after vLLM started."""
+    """run_job.sh's step 2, in the job's interpreter: the sessions are the installed openenv's TrainableSessions (TRL
+    1.15 would otherwise refuse the first rollout, after vLLM started)."""
     from importlib import metadata
 
     from openenv.core.harness import TrainableSession
@@ -205,8 +205,6 @@ def check() -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:] != ["check"]:
         sys.exit("usage: python3 harbor_sessions.py check")
     try:
