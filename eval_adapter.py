@@ -74,15 +74,17 @@ SessionFactory = Callable[[int, str], Any]  # (task_index, served model name) ->
 def servers(sandbox: str) -> tuple[SessionFactory, list[dict[str, Any]], LoraServer]:
     """The entry points' servers (ENV_URL, VLLM_URL): eval rollouts on the env server's split (EVAL_SPLIT, else its
     only one) with the training's session client, that split's tasks [{index, task_name}], and vLLM's LoRA routes."""
-    from harbor_sessions import HarborSessionFactory
+    from harbor_sessions import HarborRolloutSession, HarborSessionFactory
 
     env_url = os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}")
     vllm_url = os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}")
     # Asked plainly first: OpenEnv's client, refused a connection, fails with an unrelated TypeError.
     httpx.get(f"{env_url}/health", timeout=30).raise_for_status()
-    sessions = HarborSessionFactory(env_url, split=os.environ.get("EVAL_SPLIT", ""), llm_url=vllm_url, sandbox=sandbox)
+    sessions = HarborSessionFactory(env_url, split=os.environ.get("EVAL_SPLIT", ""))
     tasks = [{"index": t["index"], "task_name": t["task_name"]} for t in sessions.tasks()]
-    return functools.partial(sessions.eval_session, eval_sampling=eval_sampling()), tasks, LoraServer(vllm_url)
+    factory = functools.partial(HarborRolloutSession, env_url, sessions.split, llm_url=vllm_url, sandbox=sandbox,
+                                purpose="eval", eval_sampling=eval_sampling())
+    return factory, tasks, LoraServer(vllm_url)
 
 
 # --- Cells -----------------------------------------------------------------------

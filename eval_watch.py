@@ -210,7 +210,14 @@ class Watcher:
 
     def run(self) -> str:
         """Watch until the final adapter is evaluated ("final"), the run ended without it ("ended"), or nothing new
-        came for max_idle_s ("idle")."""
+        came for max_idle_s ("idle"); first wait up to max_idle_s for the training job to create the repo."""
+        since = self.clock()
+        while not self.api.repo_exists(self.repo_id):
+            if self.clock() - since >= self.max_idle_s:
+                raise recipe.ConfigError(f"ADAPTER_REPO={self.repo_id} not found after {self.max_idle_s / 3600:.1f} h: "
+                                         "check the name, and that HF_TOKEN can read it")
+            logger.info("%s not found (yet): waiting for the training job to create it", self.repo_id)
+            self.sleep(self.poll_s)
         while True:
             try:
                 return self._watch()
@@ -247,19 +254,6 @@ class Watcher:
             self.sleep(self.poll_s)
 
 
-def wait_for_repo(api: Any, repo_id: str, max_wait_s: float, poll_s: float = recipe.EVAL_POLL_SECONDS,
-                  sleep: Callable[[float], None] = time.sleep) -> None:
-    """Wait for the training job to create the adapter repo (the watcher may start first), up to max_wait_s."""
-    waited = 0.0
-    while not api.repo_exists(repo_id):
-        if waited >= max_wait_s:
-            raise recipe.ConfigError(f"ADAPTER_REPO={repo_id} not found after {waited / 3600:.1f} h: check the name, "
-                                     "and that HF_TOKEN can read it")
-        logger.info("%s not found (yet): waiting for the training job to create it", repo_id)
-        sleep(poll_s)
-        waited += poll_s
-
-
 def main() -> None:
     """run_eval.sh's environment, each knob checked by recipe.py (as its preflight did)."""
     n_tasks, concurrency, sandbox = recipe.knob("N_TASKS"), recipe.knob("EVAL_CONCURRENCY"), recipe.knob("SANDBOX")
@@ -269,7 +263,6 @@ def main() -> None:
     from huggingface_hub import HfApi
 
     api = HfApi(token=recipe.require_token())
-    wait_for_repo(api, repo_id, max_idle_s)
     factory, tasks, lora = ea.servers(sandbox)
     ea.choose_subset(len(tasks), n_tasks)  # a subset larger than the split is refused now, not after a wait
     board = dashboard.for_eval(repo_id, "eval-watch", os.environ)

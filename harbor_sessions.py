@@ -39,10 +39,11 @@ def choose_split(names: list[str], wanted: str) -> str:
 
 
 class HarborRolloutSession(ResourceSession):
-    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read."""
+    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read. An
+    eval's (`purpose="eval"`, explicit `eval_sampling`, no training policy) is made with (task_index, model) only."""
 
-    def __init__(self, env_url: str, *, split: str, task_index: int, task_name: str = "", instruction: str = "",
-                 llm_url: str = "", model: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
+    def __init__(self, env_url: str, split: str, task_index: int, model: str = "", *, task_name: str = "",
+                 instruction: str = "", llm_url: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
                  agent_timeout_sec: float = recipe.AGENT_TIMEOUT_SEC, agent_step_limit: int = recipe.AGENT_CALL_LIMIT,
                  purpose: str = "train", sampling: dict[str, Any] | None = None,
                  eval_sampling: dict[str, Any] | None = None) -> None:
@@ -151,7 +152,6 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                                "agent_timeout_sec": agent_timeout_sec, "agent_step_limit": agent_step_limit}
         self.sampling = sampling
         self._tasks: list[dict[str, Any]] = []
-        self._by_key: dict[str, dict[str, Any]] = {}
 
     def tasks(self) -> list[dict[str, Any]]:
         """[{index, task_name, instruction}] of the split (choose_split), fetched once, under a lock: TRL's pool threads
@@ -163,9 +163,8 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                 with HarborEnv(base_url=self.env_url) as env:
                     self.split = choose_split([str(s.get("name", "")) for s in env.splits()], self.split)
                     refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
-                tasks = [{"index": int(r.index), "task_name": r.task_name, "instruction": r.instruction} for r in refs]
-                self._by_key = {instruction_key(t["instruction"]): t for t in tasks}
-                self._tasks = tasks
+                self._tasks = [{"index": int(r.index), "task_name": r.task_name, "instruction": r.instruction}
+                               for r in refs]
             return self._tasks
 
     def prompt_rows(self) -> list[dict[str, Any]]:
@@ -175,19 +174,13 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
         """A training session for the task whose instruction is this prompt; KeyError for a prompt not served."""
-        self.tasks()
-        found = self._by_key.get(instruction_key(str(task[-1]["content"])))  # TRL passes prompt_rows()' messages
+        key = instruction_key(str(task[-1]["content"]))  # TRL passes prompt_rows()' messages
+        found = next((t for t in self.tasks() if instruction_key(t["instruction"]) == key), None)
         if found is None:
             raise KeyError("this prompt matches no task on the env server: build the dataset from prompt_rows()")
         return HarborRolloutSession(self.env_url, split=self.split, task_index=found["index"],
                                     task_name=found["task_name"], instruction=found["instruction"],
                                     purpose="train", sampling=self.sampling, **self.session_kwargs)
-
-    def eval_session(self, task_index: int, model: str, eval_sampling: dict[str, Any]) -> HarborRolloutSession:
-        """An eval session (`purpose="eval"`, explicit eval sampling, no training policy) for one task and model."""
-        kwargs = {**self.session_kwargs, "model": model}
-        return HarborRolloutSession(self.env_url, split=self.split, task_index=task_index, purpose="eval",
-                                    eval_sampling=eval_sampling, **kwargs)
 
 
 def check() -> str:

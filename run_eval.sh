@@ -1,8 +1,12 @@
 #!/usr/bin/env bash
 # Eval job (HF Job, vllm/vllm-openai image, flavor h200, expose_public=[PUBLIC_PORT]; also run_job.sh's final eval):
 # vLLM in LoRA mode and the env server on the held-out test tasks, then eval_adapter.py (base vs one adapter) or, with
-# EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (each checkpoint as it is pushed). Environment (ADAPTER_REPO,
-# HF_TOKEN, CHECKPOINT, EVAL_TASKS, N_TASKS, MAX_IDLE_HOURS, SANDBOX, ...; defaults from recipe.py): docs/evaluation.md.
+# EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (each checkpoint as it is pushed). Environment (defaults from
+# recipe.py; what each means: docs/evaluation.md): ADAPTER_REPO, HF_TOKEN (a job secret, never printed), EVAL_MODE=full,
+# CHECKPOINT=final, EVAL_TASKS=<TEST_TASKS>, N_TASKS=<EVAL_WATCH_TASKS>, MAX_IDLE_HOURS=<MAX_IDLE_HOURS>,
+# SANDBOX=<SANDBOX>, REPORT_TO=<REPORT_TO>, DASHBOARD_SPACE=<DASHBOARD_SPACE>, SPACE_HOST | JOB_ID | HF_JOB_ID,
+# EVAL_CONCURRENCY=<EVAL_CONCURRENCY>, GPU=<EVAL_GPU>, READY_TIMEOUT=<READY_TIMEOUT_S>, POLICY_PORT=<VLLM_PORT>,
+# ENV_PORT=<ENV_PORT>, PUBLIC_PORT=<PUBLIC_PORT>, WORK_DIR=/tmp/lfm-eval, LOG_DIR=/tmp/lfm-logs, DEBUG=0, DRY_RUN=0.
 #
 #   ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=checkpoint-500 bash run_eval.sh
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_eval.sh     # print the plan, start nothing

@@ -490,19 +490,16 @@ def test_run_eval_watch_dry_run_prints_the_watch_plan():
     assert bad.returncode != 0 and "N_TASKS=0 is out of range: use 1..250" in bad.stderr
 
 
-def test_watcher_waits_for_the_training_job_to_create_the_repo(tmp_path):
+def test_watcher_waits_for_the_training_job_to_create_the_repo(vllm, tmp_path):
     hub = LocalHub(tmp_path / "hub")
-    sleeps = []
-
-    def sleep(seconds):
-        sleeps.append(seconds)
-        if len(sleeps) == 2:
-            hub.create_repo(REPO)  # the trainer starts a little later than the watcher
-
-    ew.wait_for_repo(hub, REPO, max_wait_s=3600, poll_s=60, sleep=sleep)
-    assert sleeps == [60, 60]
-    with pytest.raises(recipe.ConfigError, match="you/other not found after"):
-        ew.wait_for_repo(hub, "you/other", max_wait_s=120, poll_s=60, sleep=lambda s: None)
+    clock = Clock(lambda: None, lambda: hub.create_repo(REPO))  # the trainer starts a little later than the watcher
+    factory = EvalFactoryDouble(vllm.url, outcome)
+    assert watcher(hub, vllm, factory, tmp_path / "w", clock, max_idle_s=120).run() == "idle"
+    assert clock.sleeps == 2 + 3 and factory.calls  # two polls for the repo, then its base cells and an idle stop
+    other = ew.Watcher(hub, "you/other", factory, ea.LoraServer(vllm.url), TASKS, tmp_path / "x", max_idle_s=120,
+                       poll_s=60, clock=clock, sleep=clock.sleep)
+    with pytest.raises(recipe.ConfigError, match="you/other not found after 0.0 h"):
+        other.run()
 
 
 def test_run_eval_watch_runs_the_watcher_and_a_failed_eval_fails_the_job(tmp_path):
@@ -541,8 +538,8 @@ def test_entry_points_refuse_bad_input_with_one_line(script, env, line):
 
 
 def test_offline_watcher_is_one_line(tmp_path):
-    env = offline.offline_env(tmp_path, ADAPTER_REPO=REPO)
+    env = offline.offline_env(tmp_path, ADAPTER_REPO=REPO, ENV_URL=offline.closed_url())
     proc = offline.run(["eval_watch.py"], env)
-    line = offline.one_line(proc, "eval_watch")
-    assert line.startswith(f"eval_watch: could not reach the Hugging Face Hub at {env['HF_ENDPOINT']} (ConnectError")
-    assert line.endswith("check the connection and rerun") and proc.stdout == ""
+    line = offline.one_line(proc, "eval_watch")  # the env server is asked first, then the Hub
+    assert line.startswith(f"eval_watch: could not reach {env['ENV_URL']}/health (ConnectError")
+    assert line.endswith("start it or fix the URL, and rerun") and proc.stdout == ""
