@@ -5,7 +5,6 @@ docs/training.md "Harbor sessions"."""
 
 from __future__ import annotations
 
-import hashlib
 import sys
 import threading
 from pathlib import Path
@@ -22,11 +21,6 @@ AGENT_TIMEOUT_TYPES = ("AgentTimeoutError",)
 # harbor/trial/errors.py): the agent's rollout is whole, only its grade is missing (train_rollouts' "verifier").
 VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "DownloadVerifierDirError",
                           "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
-
-
-def instruction_key(instruction: str) -> str:
-    """The task key TRL's prompt is matched by: TRL hands `create()` the prompt only, never the task index."""
-    return hashlib.sha1(instruction.strip().encode()).hexdigest()
 
 
 def choose_split(names: list[str], wanted: str) -> str:
@@ -173,9 +167,10 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                  "task_index": t["index"]} for t in self.tasks()]
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
-        """A training session for the task whose instruction is this prompt; KeyError for a prompt not served."""
-        key = instruction_key(str(task[-1]["content"]))  # TRL passes prompt_rows()' messages
-        found = next((t for t in self.tasks() if instruction_key(t["instruction"]) == key), None)
+        """A training session for the task whose instruction is this prompt (TRL hands `create()` prompt_rows()'
+        messages, never the task index); KeyError for a prompt not served."""
+        prompt = str(task[-1]["content"]).strip()
+        found = next((t for t in self.tasks() if t["instruction"].strip() == prompt), None)
         if found is None:
             raise KeyError("this prompt matches no task on the env server: build the dataset from prompt_rows()")
         return HarborRolloutSession(self.env_url, split=self.split, task_index=found["index"],
