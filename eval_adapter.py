@@ -76,8 +76,8 @@ def servers(sandbox: str) -> tuple[SessionFactory, list[dict[str, Any]], LoraSer
     only one) with the training's session client, that split's tasks [{index, task_name}], and vLLM's LoRA routes."""
     from harbor_sessions import HarborRolloutSession, HarborSessionFactory
 
-    env_url = os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}")
-    vllm_url = os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}")
+    env_url = os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}").rstrip("/")
+    vllm_url = os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}").rstrip("/")
     # Asked plainly first: OpenEnv's client, refused a connection, fails with an unrelated TypeError.
     httpx.get(f"{env_url}/health", timeout=30).raise_for_status()
     sessions = HarborSessionFactory(env_url, split=os.environ.get("EVAL_SPLIT", ""))
