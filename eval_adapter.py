@@ -144,8 +144,7 @@ def adapter_weights(adapter_dir: Path) -> str:
 
 
 def current_cells(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cells of the weights `doc` is about (doc["weights"]: side -> identity); cells of other weights are kept in
-    the file but never counted or reused."""
+    """The cells of the weights `doc` is about; other weights' cells stay in the file, never counted or reused."""
     weights = doc.get("weights") or {}
     return [c for c in doc.get("cells", []) if c.get("weights", "") == weights.get(c["side"], "")]
 
@@ -167,8 +166,7 @@ def merge_cells(*lists: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 class ResultsFile:
-    """A results document rewritten atomically after every cell (a kill leaves the last good copy); written by
-    run_cells' one thread only."""
+    """A results document rewritten atomically after every cell (a kill leaves the last good copy); one thread."""
 
     def __init__(self, path: Path, doc: dict[str, Any]) -> None:
         self.path, self.doc = path, doc
@@ -320,12 +318,9 @@ def run_and_push(api: Any, repo_id: str, path_in_repo: str, doc: dict[str, Any],
                  jobs: list[Job], concurrency: int, *, adapter: contextlib.AbstractContextManager | None = None,
                  check: Callable[[str], None] | None = None) -> dict[str, Any]:
     """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): open `doc`'s results in `work`,
-    adopting the cells (and completeness, for the same weights) the repo holds; run the cells `jobs` still lack,
-    pushing every recipe.EVAL_PUSH_EVERY of them; mark the file complete and push it; return it.
-
-    `adapter` (LoraServer.serving) is entered only when a cell is to run. A full eval's file
-    (the one with a "summary") gets its summary recounted first. A file already complete is left as it is: nothing
-    loaded or committed."""
+    adopting the cells (and completeness, for the same weights) the repo holds; run the cells `jobs` still lack inside
+    `adapter` (LoraServer.serving); recount a full eval's "summary"; mark the file complete, push it and return it. A
+    file already complete for these weights is left as it is: nothing loaded or committed."""
     local = work / path_in_repo
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
     remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}
