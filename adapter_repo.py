@@ -32,7 +32,6 @@ LOGS_DIR = "logs"
 WATCH_DIR = f"{EVAL_DIR}/watch"
 WATCH_BASE_PATH = f"{WATCH_DIR}/base.json"
 SUMMARY_PATH = f"{EVAL_DIR}/summary.json"
-CURVE_PATH = f"{EVAL_DIR}/learning_curve.png"
 # A smoke run pushes to <ADAPTER_REPO>-smoke; its clear records the run in SMOKE_RUN_PATH (smoke_report.clear).
 SMOKE_SUFFIX = "-smoke"
 SMOKE_RUN_PATH = "smoke_run.json"

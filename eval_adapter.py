@@ -1,37 +1,34 @@
 """Held-out eval: pass@1 of the base model vs a LoRA adapter on the test tasks, through the training harness.
 
-    python3 eval_adapter.py --adapter-repo you/LFM2.5-2.6B-opencode-lora-RL --checkpoint final
+    ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final python3 eval_adapter.py
 
 Each cell (a task, a side) is one rollout on the training's env server and OpenCode, with the eval contract; one vLLM
-serves the base model and the adapter (runtime LoRA). Results are pushed as they come, so a killed eval resumes; the
-contract, the retry and abort rules and the results schema: docs/evaluation.md.
+serves the base model and the adapter (runtime LoRA). Results are pushed as they come, so a killed eval resumes. The
+environment (run_eval.sh's), the contract, the retry and abort rules and the results schema: docs/evaluation.md.
 """
 
 from __future__ import annotations
 
-import argparse
 import contextlib
+import functools
 import hashlib
 import json
 import math
 import os
 import random
-import threading
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import httpx
 
 import adapter_repo
 import dashboard
 import recipe
-
-if TYPE_CHECKING:
-    from harbor_sessions import HarborRolloutSession, HarborSessionFactory
 
 
 def served_name(checkpoint: str) -> str:
@@ -46,77 +43,48 @@ class LoraServer:
     def __init__(self, base_url: str, timeout_s: float = 300.0) -> None:
         self.base_url, self.timeout_s = base_url.rstrip("/"), timeout_s
 
-    def served(self) -> dict[str, str | None]:
-        """Model ids vLLM serves now, each with its parent (None for the base model)."""
-        response = httpx.get(f"{self.base_url}/v1/models", timeout=self.timeout_s)
-        response.raise_for_status()
-        return {card["id"]: card.get("parent") for card in response.json()["data"]}
-
-    def load(self, name: str, path: Path) -> None:
-        """Hot-load the adapter in `path` as model `name`; already loaded under that name is fine."""
+    @contextlib.contextmanager
+    def serving(self, name: str, path: Path) -> Iterator[None]:
+        """`path`'s adapter hot-loaded as model `name` for the block, unloaded however it ends (vLLM keeps a LoRA until
+        told). Already loaded under that name is fine; so is an unload of one vLLM no longer has."""
         self._post("load", {"lora_name": name, "lora_path": str(path)}, done="has already been loaded")
-
-    def unload(self, name: str) -> None:
-        """Unload adapter `name`; one vLLM no longer has is already unloaded."""
-        self._post("unload", {"lora_name": name}, done="cannot be found")
+        try:
+            yield
+        finally:
+            self._post("unload", {"lora_name": name}, done="cannot be found")
 
     def _post(self, verb: str, body: dict[str, str], done: str) -> None:
         path = f"/v1/{verb}_lora_adapter"
         response = httpx.post(f"{self.base_url}{path}", json=body, timeout=self.timeout_s)
-        try:  # vLLM's ErrorResponse: {"error": {"message": ...}}
-            message = str(response.json()["error"]["message"])
-        except (ValueError, KeyError, TypeError):
-            message = ""
-        if response.status_code in (404, 405) and not message:
-            raise recipe.ConfigError(f"vLLM at {self.base_url} has no {path}: start it with --enable-lora and "
-                                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=True (serve_policy.sh with LORA=1)")
-        if response.status_code != 200 and done not in message:
-            raise RuntimeError(f"vLLM refused to {verb} LoRA {body}: HTTP {response.status_code}: "
-                               f"{message or response.text[:300]}")
+        if response.status_code != 200 and done not in response.text:  # vLLM's {"error": {"message": ...}}
+            raise RuntimeError(f"vLLM refused {path} {body}: HTTP {response.status_code}: {response.text[:300]}")
 
 
 # --- Rollouts ---------------------------------------------------------------------
 def eval_sampling() -> dict[str, float | int]:
-    """The explicit eval policy, validated by OpenEnv's own rule (top_k -1 or >= 1, never 0)."""
+    """The explicit eval policy, validated by OpenEnv's own rule (it refuses top_k 0) before any rollout."""
     from openenv.core.harness.capture.sessions import evaluation_sampling
 
-    policy = {"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.EVAL_TOP_K}
-    try:
-        return evaluation_sampling(policy)
-    except ValueError as exc:
-        raise recipe.ConfigError(f"recipe eval sampling {policy} is refused by OpenEnv: {exc}") from None
+    return evaluation_sampling({"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.EVAL_TOP_K})
 
 
-SessionFactory = Callable[[int, str], "HarborRolloutSession"]  # (task_index, served model name) -> rollout
+SessionFactory = Callable[[int, str], Any]  # (task_index, served model name) -> a harbor_sessions rollout
 
 
-class HarborEvalFactory:
-    """Eval rollouts and the task list of one split on a running OpenEnv Harbor env server."""
+def servers(sandbox: str) -> tuple[SessionFactory, list[dict[str, Any]], LoraServer]:
+    """The entry points' servers (ENV_URL, VLLM_URL): eval rollouts on the env server's split (EVAL_SPLIT, else its
+    only one) with the training's session client, that split's tasks [{index, task_name}], and vLLM's LoRA routes."""
+    from harbor_sessions import HarborRolloutSession, HarborSessionFactory
 
-    def __init__(self, env_url: str, llm_url: str, split: str = "", sandbox: str = recipe.SANDBOX) -> None:
-        self.env_url, self.llm_url, self.split = env_url.rstrip("/"), llm_url.rstrip("/"), split
-        self.sandbox = sandbox
-
-    def tasks(self) -> list[dict[str, Any]]:
-        """[{index, task_name}] of the split, which is resolved here (harbor_sessions.choose_split)."""
-        # Asked plainly first: OpenEnv's client, refused a connection, fails with an unrelated TypeError.
-        httpx.get(f"{self.env_url}/health", timeout=30).raise_for_status()
-        sessions = self.sessions()
-        tasks = sessions.tasks()
-        self.split = sessions.split
-        return [{"index": t["index"], "task_name": t["task_name"]} for t in tasks]
-
-    def sessions(self) -> HarborSessionFactory:
-        """The trainer's session client, with the training's agent budget and timeout."""
-        from harbor_sessions import HarborSessionFactory
-
-        return HarborSessionFactory(self.env_url, split=self.split, llm_url=self.llm_url, sandbox=self.sandbox,
-                                    agent_timeout_sec=recipe.AGENT_TIMEOUT_SEC,
-                                    agent_step_limit=recipe.AGENT_CALL_LIMIT)
-
-    def __call__(self, task_index: int, model: str) -> HarborRolloutSession:
-        """One rollout with `purpose="eval"` and the explicit eval sampling."""
-        return self.sessions().eval_session(task_index, model, eval_sampling())
+    env_url = os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}").rstrip("/")
+    vllm_url = os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}").rstrip("/")
+    # Asked plainly first: OpenEnv's client, refused a connection, fails with an unrelated TypeError.
+    httpx.get(f"{env_url}/health", timeout=30).raise_for_status()
+    sessions = HarborSessionFactory(env_url, split=os.environ.get("EVAL_SPLIT", ""))
+    tasks = [{"index": t["index"], "task_name": t["task_name"]} for t in sessions.tasks()]
+    factory = functools.partial(HarborRolloutSession, env_url, sessions.split, llm_url=vllm_url, sandbox=sandbox,
+                                purpose="eval", eval_sampling=eval_sampling())
+    return factory, tasks, LoraServer(vllm_url)
 
 
 # --- Cells -----------------------------------------------------------------------
@@ -126,33 +94,22 @@ def is_correct(reward: float) -> bool:
 
 
 def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, Any]:
-    """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable.
-
-    A failure of this one rollout is an unscorable cell whose error starts with its class (docs/training.md "Rollout
-    failures"), never an exception that ends the eval; an output cap above training's is (it collapsed a published run).
-    """
-    start = time.monotonic()
-    result, error = None, ""
+    """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable. A failure of this
+    one rollout is an unscorable cell whose error starts with its class (docs/training.md "Rollout failures"), never an
+    exception that ends the eval."""
+    start, session, error = time.monotonic(), None, ""
     try:
         session = factory(task_index, model)
-    except Exception as exc:  # noqa: BLE001 - one failed create is one unscorable cell
-        session, error = None, f"create: {type(exc).__name__}: {exc}"
-    if session is not None:
-        try:
-            session.wait_for_completion()
-        except Exception as exc:  # noqa: BLE001 - one failed rollout is one unscorable cell
-            error = f"rollout: {type(exc).__name__}: {exc}"
-        finally:  # an agent that timed out raised, yet Harbor graded it: its result counts (graded_reward)
-            result = getattr(session, "result", None)
+        session.wait_for_completion()
+    except Exception as exc:  # noqa: BLE001 - one failed rollout is one unscorable cell
+        error = f"{'create' if session is None else 'rollout'}: {type(exc).__name__}: {exc}"
+    finally:  # an agent that timed out raised, yet Harbor graded it: its result counts (graded_reward)
+        result = getattr(session, "result", None)
+        if session is not None:
             session.close()
-    all_turns = getattr(result, "turns", None) or []
-    cap = max([t.sampling_params.get("max_tokens") or 0 for t in all_turns], default=0)
-    if cap > recipe.MAX_TOKENS:
-        raise recipe.ConfigError(f"env server sent max_tokens={cap} to vLLM, training uses {recipe.MAX_TOKENS}: start "
-                                 f"the env server with --max-output-tokens {recipe.MAX_TOKENS} (serve_env.sh does)")
     reward = recipe.graded_reward(result)
     scored = reward is not None
-    turns = [t for t in all_turns if t.role == "agent" and not t.discarded]
+    turns = [t for t in getattr(result, "turns", None) or [] if t.role == "agent" and not t.discarded]
     not_ok = scored and not getattr(result, "ok", False)  # graded, though the env server marked it failed
     return {"reward": reward, "correct": is_correct(reward) if scored else None, "unscorable": not scored,
             "tool_calls": sum(len(t.tool_calls) for t in turns), "model_calls": int(getattr(result, "n_turns", 0) or 0),
@@ -161,7 +118,7 @@ def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, 
             "duration_s": round(time.monotonic() - start, 3)}
 
 
-def _cell_error(session: HarborRolloutSession | None, result: Any) -> str:
+def _cell_error(session: Any, result: Any) -> str:
     if result is None:
         return "rollout: " + str(getattr(session, "error", "") or "rollout call failed")[:300]
     if count := recipe.upstream_errors(result):
@@ -181,17 +138,13 @@ def adapter_weights(adapter_dir: Path) -> str:
     """The adapter's identity: sha256 of its files. Not the repo commit: that moves with every push (the eval's own
     included) while the weights stay, and a rewritten `final` keeps its name with other weights."""
     digest = hashlib.sha256()
-    for name in adapter_repo.ADAPTER_FILES:
-        digest.update(f"{name}\0".encode())
-        with (adapter_dir / name).open("rb") as data:
-            for chunk in iter(lambda: data.read(1 << 20), b""):
-                digest.update(chunk)
+    for name in adapter_repo.ADAPTER_FILES:  # a LoRA's files: tens of MB
+        digest.update(f"{name}\0".encode() + (adapter_dir / name).read_bytes())
     return f"sha256:{digest.hexdigest()}"
 
 
 def current_cells(doc: dict[str, Any]) -> list[dict[str, Any]]:
-    """The cells of the weights `doc` is about (doc["weights"]: side -> identity); cells of other weights are kept in
-    the file but never counted or reused."""
+    """The cells of the weights `doc` is about; other weights' cells stay in the file, never counted or reused."""
     weights = doc.get("weights") or {}
     return [c for c in doc.get("cells", []) if c.get("weights", "") == weights.get(c["side"], "")]
 
@@ -208,33 +161,29 @@ def merge_cells(*lists: Iterable[dict[str, Any]]) -> list[dict[str, Any]]:
     for cells in lists:
         for cell in cells:
             key = (cell["side"], int(cell["task_index"]), cell.get("weights", ""))
-            old = merged.get(key)
-            merged[key] = cell if old is None else max(old, cell, key=lambda c: (not c["unscorable"], c["attempts"]))
+            merged[key] = max(merged.get(key, cell), cell, key=lambda c: (not c["unscorable"], c["attempts"]))
     return [merged[k] for k in sorted(merged)]
 
 
 class ResultsFile:
-    """A results document rewritten atomically after every cell (a kill leaves the last good copy)."""
+    """A results document rewritten atomically after every cell (a kill leaves the last good copy); one thread."""
 
     def __init__(self, path: Path, doc: dict[str, Any]) -> None:
         self.path, self.doc = path, doc
         self.doc.setdefault("cells", [])
-        self._lock = threading.Lock()
 
     def cells(self) -> dict[tuple[str, int], dict[str, Any]]:
         """(side, task) -> cell, of this document's weights only: what a run may reuse."""
         return {(c["side"], int(c["task_index"])): c for c in current_cells(self.doc)}
 
     def record(self, cell: dict[str, Any]) -> None:
-        with self._lock:
-            self.doc["cells"] = merge_cells(self.doc["cells"], [cell])
-            self.save()
+        self.doc["cells"] = merge_cells(self.doc["cells"], [cell])
+        self.save()
 
     def absorb(self, cells: Iterable[dict[str, Any]]) -> bytes:
         """Merge cells another writer pushed, and return the document as it is to be committed."""
-        with self._lock:
-            self.doc["cells"] = merge_cells(cells, self.doc["cells"])
-            return json.dumps(self.doc, indent=1, sort_keys=True).encode()
+        self.doc["cells"] = merge_cells(cells, self.doc["cells"])
+        return json.dumps(self.doc, indent=1, sort_keys=True).encode()
 
     def save(self) -> None:
         recipe.write_json(self.path, self.doc, indent=1, sort_keys=True)
@@ -254,13 +203,13 @@ def pending_jobs(jobs: list[Job], results: ResultsFile) -> list[Job]:
 
 
 def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, concurrency: int,
-              on_cell: Callable[[dict[str, Any]], None] | None = None) -> None:
+              push: Callable[[], None] = lambda: None) -> None:
     """Run every job whose cell is not final, at most `concurrency` at once, an unscorable one again at the queue's end
-    until final, recording each attempt. After EVAL_ABORT_STREAK unscorable cells in a row it stops with
-    InfrastructureDown (recorded cells stay), leaving no queued rollout to run."""
+    until final, recording each attempt and calling `push` every EVAL_PUSH_EVERY of them. After EVAL_ABORT_STREAK
+    unscorable cells in a row it pushes and stops with InfrastructureDown, leaving no queued rollout to run."""
     queue, concurrency = deque(pending_jobs(jobs, results)), max(1, concurrency)
     running: dict[Future[dict[str, Any]], Job] = {}
-    streak = 0
+    streak = recorded = 0
     with ThreadPoolExecutor(max_workers=concurrency) as pool:
         while queue or running:
             while queue and len(running) < concurrency:
@@ -274,9 +223,9 @@ def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, co
                         "weights": (results.doc.get("weights") or {}).get(side, ""),
                         "attempts": (previous["attempts"] if previous else 0) + 1, **future.result()}
                 results.record(cell)
-                if on_cell:
-                    on_cell(cell)
-                streak = streak + 1 if cell["unscorable"] else 0
+                recorded, streak = recorded + 1, streak + 1 if cell["unscorable"] else 0
+                if recorded % recipe.EVAL_PUSH_EVERY == 0 or streak >= recipe.EVAL_ABORT_STREAK:
+                    push()
                 if streak >= recipe.EVAL_ABORT_STREAK:
                     raise InfrastructureDown(
                         f"{streak} eval cells in a row were unscorable (last: {cell['error']}): vLLM, the env "
@@ -318,8 +267,6 @@ def side_stats(cells: dict[str, float | None]) -> dict[str, Any]:
 def mcnemar_exact_p(only_base: int, only_adapter: int) -> float:
     """Two-sided exact McNemar (sign test on discordant pairs): P(a split this uneven | no effect)."""
     n = only_base + only_adapter
-    if n == 0:
-        return 1.0
     tail = sum(math.comb(n, k) for k in range(min(only_base, only_adapter) + 1)) / 2**n
     return min(1.0, 2 * tail)
 
@@ -338,8 +285,6 @@ def summarize(base: dict[str, float | None], adapter: dict[str, float | None]) -
 
     `base`/`adapter` map task -> reward, None for an unscorable cell: never wrong, out of the denominators.
     """
-    if not base and not adapter:
-        raise ValueError("summarize: no cells on either side: run the eval first (nothing to summarize)")
     paired = sorted(t for t in base.keys() & adapter.keys() if base[t] is not None and adapter[t] is not None)
     agree = {"both": 0, "only_base": 0, "only_adapter": 0, "neither": 0}
     diffs = []
@@ -369,61 +314,32 @@ def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
     adapter_repo.commit_cas(api, repo_id, build, f"eval: {path_in_repo}")
 
 
-def pull_results(api: Any, repo_id: str, path_in_repo: str, local: Path, doc: dict[str, Any]) -> ResultsFile:
-    """Open the local results, adopting cells (and completeness, for the same weights) already pushed to the repo."""
+def run_and_push(api: Any, repo_id: str, path_in_repo: str, doc: dict[str, Any], work: Path, factory: SessionFactory,
+                 jobs: list[Job], concurrency: int, *, adapter: contextlib.AbstractContextManager | None = None,
+                 check: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): open `doc`'s results in `work`,
+    adopting the cells (and completeness, for the same weights) the repo holds; run the cells `jobs` still lack inside
+    `adapter` (LoraServer.serving); recount a full eval's "summary"; mark the file complete, push it and return it. A
+    file already complete for these weights is left as it is: nothing loaded or committed."""
+    local = work / path_in_repo
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
     remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}
-    merged = merge_cells(cells, remote.get("cells", []))
     complete = bool(remote.get("complete")) and (remote.get("weights") or {}) == (doc.get("weights") or {})
-    results = ResultsFile(local, {**doc, "cells": merged, "complete": complete})
+    results = ResultsFile(local, {**doc, "cells": merge_cells(cells, remote.get("cells", [])), "complete": complete})
     results.save()
-    return results
-
-
-def run_and_push(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile, factory: SessionFactory,
-                 jobs: list[Job], concurrency: int, *, adapter: tuple[LoraServer, str, Path] | None = None,
-                 check: Callable[[str], None] | None = None,
-                 finish: Callable[[dict[str, Any]], None] | None = None) -> None:
-    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): run the cells `jobs` still lack,
-    pushing every recipe.EVAL_PUSH_EVERY of them, then mark the file complete and push it.
-
-    `adapter` (vLLM, served name, folder) is hot-loaded for the run and unloaded however it ends; `finish(doc)` adds
-    the summary before the file is marked complete. A file already complete is left as it is: nothing loaded or
-    committed.
-    """
+    push = functools.partial(push_results, api, repo_id, path_in_repo, results, check)
     idle = not pending_jobs(jobs, results)
-    if idle and results.doc.get("complete"):
-        if finish is not None:
-            finish(results.doc)
-        return
-    pushed = {"n": 0}
-
-    def on_cell(_: dict[str, Any]) -> None:
-        pushed["n"] += 1
-        if pushed["n"] % recipe.EVAL_PUSH_EVERY == 0:
-            push_results(api, repo_id, path_in_repo, results, check)
-
-    with loaded(*adapter) if adapter is not None and not idle else contextlib.nullcontext():
-        try:
-            run_cells(factory, jobs, results, concurrency, on_cell)
-        except InfrastructureDown:
-            push_results(api, repo_id, path_in_repo, results, check)  # the cells since the last push are kept too
-            raise
-    if finish is not None:
-        finish(results.doc)
-    results.doc["complete"] = True
-    results.save()
-    push_results(api, repo_id, path_in_repo, results, check)
-
-
-@contextlib.contextmanager
-def loaded(lora: LoraServer, name: str, path: Path) -> Iterator[None]:
-    """`path`'s adapter served as `name` for the block, unloaded however it ends (vLLM keeps a LoRA until told)."""
-    lora.load(name, path)
-    try:
-        yield
-    finally:
-        lora.unload(name)
+    if not idle:
+        with adapter or contextlib.nullcontext():
+            run_cells(factory, jobs, results, concurrency, push)
+    if "summary" in results.doc:
+        cells = current_cells(results.doc)
+        results.doc["summary"] = summarize(rewards(cells, "base"), rewards(cells, "adapter"))
+    if not (idle and results.doc.get("complete")):
+        results.doc["complete"] = True
+        results.save()
+        push()
+    return results.doc
 
 
 # --- Entry point ---------------------------------------------------------------------
@@ -440,74 +356,44 @@ def evaluate(api: Any, repo_id: str, checkpoint: str, factory: SessionFactory, t
            "dataset_revision": recipe.TEST_REVISION, "tasks": tasks, "complete": False, "summary": None,
            "sampling": {**eval_sampling(), "max_tokens": recipe.MAX_TOKENS,
                         "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS}}
-    results = pull_results(api, repo_id, path_in_repo, work / path_in_repo, doc)
     name = served_name(checkpoint)
     jobs = [(side, model, t) for t in tasks for side, model in (("base", recipe.SERVED_MODEL_NAME), ("adapter", name))]
-
-    def add_summary(doc: dict[str, Any]) -> None:
-        cells = current_cells(doc)
-        doc["summary"] = summarize(rewards(cells, "base"), rewards(cells, "adapter"))
-
-    run_and_push(api, repo_id, path_in_repo, results, factory, jobs, concurrency, adapter=(lora, name, adapter_dir),
-                 finish=add_summary)
+    doc = run_and_push(api, repo_id, path_in_repo, doc, work, factory, jobs, concurrency,
+                       adapter=lora.serving(name, adapter_dir))
     if board is not None:
-        board.log(summary_metrics(results.doc["summary"]))
-    return results.doc
+        board.log(summary_metrics(doc["summary"]))
+    return doc
 
 
 def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     """The final eval's summary as flat dashboard metrics (`final_eval/...`); absent numbers are left out."""
     paired = summary["paired"]
-    values: dict[str, Any] = {"paired_tasks": paired["tasks"], "difference": paired["difference"],
-                              "mcnemar_p": paired["mcnemar_p"]}
-    intervals = {"difference": paired["ci95"]}
-    for side in ("base", "adapter"):
-        stats = summary[side]
-        values |= {f"{side}_pass_at_1": stats["pass_at_1"], f"{side}_scored": stats["scored"],
-                   f"{side}_unscorable": stats["unscorable"]}
-        intervals[side] = stats["ci95"]
-    for name, interval in intervals.items():
-        if interval:
-            values |= {f"{name}_ci95_low": interval[0], f"{name}_ci95_high": interval[1]}
+    values = {"paired_tasks": paired["tasks"], "difference": paired["difference"], "mcnemar_p": paired["mcnemar_p"],
+              **{f"{side}_{key}": summary[side][key] for side in ("base", "adapter")
+                 for key in ("pass_at_1", "scored", "unscorable")}}
+    for name, interval in (("difference", paired["ci95"]), ("base", summary["base"]["ci95"]),
+                           ("adapter", summary["adapter"]["ci95"])):
+        values |= dict(zip((f"{name}_ci95_low", f"{name}_ci95_high"), interval or (), strict=False))
     return {f"final_eval/{key}": float(value) for key, value in values.items() if value is not None}
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter-repo", default=os.environ.get("ADAPTER_REPO"))
-    parser.add_argument("--checkpoint", help=f"checkpoint-N or {adapter_repo.FINAL} (env CHECKPOINT, default "
-                                             f"{adapter_repo.FINAL})")
-    parser.add_argument("--env-url", default=os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"))
-    parser.add_argument("--vllm-url", default=os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"))
-    parser.add_argument("--split", default=os.environ.get("EVAL_SPLIT", ""), help="env server split (test)")
-    parser.add_argument("--work-dir", default=os.environ.get("EVAL_WORK_DIR", "eval-work"))
-    parser.add_argument("--n-tasks",
-                        help=f"a fixed, seeded subset of the test tasks (env EVAL_TASKS; the smoke run's), default all "
-                             f"{recipe.TEST_TASKS}")
-    parser.add_argument("--concurrency",
-                        help=f"rollouts in flight (env EVAL_CONCURRENCY, default {recipe.EVAL_CONCURRENCY})")
-    args = parser.parse_args()
-    repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
-    # Checked after parsing (recipe.py's checks, as run_eval.sh's preflight): a bad value never breaks --help.
-    checkpoint = recipe.knob("CHECKPOINT", value=args.checkpoint)
-    concurrency = recipe.knob("EVAL_CONCURRENCY", value=args.concurrency)
-    n_tasks = recipe.knob("EVAL_TASKS", value=args.n_tasks)
-    sandbox = recipe.knob("SANDBOX")
+    """run_eval.sh's environment, each knob checked by recipe.py (as its preflight did)."""
+    repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO"), "ADAPTER_REPO")
+    checkpoint, n_tasks, concurrency, sandbox = (recipe.knob(k) for k in ("CHECKPOINT", "EVAL_TASKS",
+                                                                           "EVAL_CONCURRENCY", "SANDBOX"))
     token = recipe.require_token()
-    factory = HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
-    tasks = factory.tasks()
+    factory, tasks, lora = servers(sandbox)
+    if len(tasks) != recipe.TEST_TASKS:
+        raise recipe.ConfigError(f"the env server's split has {len(tasks)} tasks, the test split {recipe.TEST_TASKS}: "
+                                 "serve the test tasks (run_eval.sh does) or set EVAL_SPLIT")
+    tasks = [tasks[i] for i in choose_subset(len(tasks), n_tasks)]  # EVAL_TASKS < all: the smoke run's subset
     from huggingface_hub import HfApi
 
-    api = HfApi(token=token)
-    if len(tasks) != recipe.TEST_TASKS:
-        raise recipe.ConfigError(f"split {factory.split!r} has {len(tasks)} tasks, the test split has "
-                                 f"{recipe.TEST_TASKS}: point the env server at the test tasks or set EVAL_SPLIT")
-    if n_tasks != len(tasks):  # the smoke run's subset: the same cells, fewer of them
-        tasks = [tasks[i] for i in choose_subset(len(tasks), n_tasks)]
     board = dashboard.for_eval(repo_id, "eval", os.environ)
     try:
-        doc = evaluate(api, repo_id, checkpoint, factory, tasks, LoraServer(args.vllm_url), Path(args.work_dir),
-                       concurrency, board)
+        doc = evaluate(HfApi(token=token), repo_id, checkpoint, factory, tasks, lora,
+                       Path(os.environ.get("EVAL_WORK_DIR", "eval-work")), concurrency, board)
     finally:
         if board is not None:
             board.finish()
@@ -515,4 +401,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # no flags: the environment above is the interface
+        sys.exit(__doc__)
     raise SystemExit(adapter_repo.run_cli("eval_adapter", main))

@@ -3,17 +3,16 @@
     ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL N_TASKS=100 python3 eval_watch.py
 
 Each complete checkpoint-N/ is hot-loaded into the running vLLM, evaluated on a fixed seeded subset of the test tasks
-and unloaded; eval/summary.json, eval/learning_curve.png and trajectories.html are recounted after each. All state is
-in the repo, so a restarted watcher resumes. When it stops, and the files it writes: docs/evaluation.md.
+and unloaded; eval/summary.json and trajectories.html are recounted after each. All state is in the repo, so a
+restarted watcher resumes. The environment (run_eval.sh's), when it stops and the files it writes: docs/evaluation.md.
 """
 
 from __future__ import annotations
 
-import argparse
-import io
 import json
 import logging
 import os
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,9 +25,6 @@ import recipe
 import trajectories
 
 logger = logging.getLogger("eval_watch")
-
-CURVE_INCHES = (8.0, 4.5)
-CURVE_DPI = 100  # => an 800 x 450 px image
 
 
 class RunReplaced(BaseException):  # noqa: N818 - a signal, not an error
@@ -57,35 +53,6 @@ def build_summary(base_doc: dict[str, Any], docs: dict[str, dict[str, Any]]) -> 
             "final_evaluated": any(r["checkpoint"] == adapter_repo.FINAL and r["complete"] for r in rows)}
 
 
-def learning_curve_png(summary: dict[str, Any]) -> bytes:
-    """pass@1 vs step of the fully evaluated checkpoints with 95% intervals, the base model as a line with its band."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=CURVE_INCHES, dpi=CURVE_DPI)
-    try:
-        rows = [r for r in summary["checkpoints"] if r["complete"] and r["pass_at_1"] is not None]
-        if rows:
-            values = [r["pass_at_1"] for r in rows]
-            errors = [[v - r["ci95"][0] for v, r in zip(values, rows, strict=True)],
-                      [r["ci95"][1] - v for v, r in zip(values, rows, strict=True)]]
-            ax.errorbar([r["step"] for r in rows], values, yerr=errors, marker="o", capsize=3, label="adapter pass@1")
-        base = summary.get("base")
-        if base and base["pass_at_1"] is not None:
-            ax.axhline(base["pass_at_1"], color="grey", linestyle="--", label="base model")
-            ax.axhspan(*base["ci95"], color="grey", alpha=0.15)
-        ax.set(xlabel="training step", ylabel=f"pass@1 on {summary.get('n_tasks', 0)} test tasks", ylim=(0, 1))
-        ax.grid(alpha=0.3)
-        ax.legend(loc="best")
-        buffer = io.BytesIO()
-        fig.savefig(buffer, format="png", dpi=CURVE_DPI)
-    finally:
-        plt.close(fig)
-    return buffer.getvalue()
-
-
 class Watcher:
     """Evaluates each new checkpoint of `repo_id` on a fixed subset; all state lives in the repo."""
 
@@ -109,8 +76,7 @@ class Watcher:
 
     def run_and_push(self, path_in_repo: str, doc: dict[str, Any], jobs: list[ea.Job], **adapter: Any) -> None:
         """Evaluate the cells `jobs` still lack into `path_in_repo`, resuming from what the repo holds."""
-        results = ea.pull_results(self.api, self.repo_id, path_in_repo, self.work / path_in_repo, doc)
-        ea.run_and_push(self.api, self.repo_id, path_in_repo, results, self.factory, jobs, self.concurrency,
+        ea.run_and_push(self.api, self.repo_id, path_in_repo, doc, self.work, self.factory, jobs, self.concurrency,
                         check=self.check_run, **adapter)
 
     def ensure_base(self) -> list[dict[str, Any]]:
@@ -139,11 +105,11 @@ class Watcher:
         model = ea.served_name(name)
         logger.info("evaluating %s (step %d) as %s", name, step, model)
         self.run_and_push(adapter_repo.watch_results_path(name), doc, [("adapter", model, t) for t in tasks],
-                          adapter=(self.lora, model, adapter))
+                          adapter=self.lora.serving(model, adapter))
 
     def publish_summary(self) -> dict[str, Any]:
-        """Recount eval/summary.json and the curve from the repo's per-checkpoint files, and rebuild the trajectory
-        page with them, as one compare-and-swap commit."""
+        """Recount eval/summary.json from the repo's per-checkpoint files, and rebuild the trajectory page (its curve)
+        with it, as one compare-and-swap commit."""
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
@@ -153,10 +119,9 @@ class Watcher:
             out["summary"] = build_summary(self.read(adapter_repo.WATCH_BASE_PATH, head) or {}, docs)
             page = trajectories.repo_docs(self.api, self.repo_id, revision=head) | {"summary": out["summary"]}
             return {adapter_repo.SUMMARY_PATH: json.dumps(out["summary"], indent=1, sort_keys=True).encode(),
-                    adapter_repo.CURVE_PATH: learning_curve_png(out["summary"]),
                     trajectories.PAGE_PATH: trajectories.page(self.repo_id, page).encode()}
 
-        adapter_repo.commit_cas(self.api, self.repo_id, build, "eval: summary + learning curve")
+        adapter_repo.commit_cas(self.api, self.repo_id, build, "eval: summary + trajectories.html")
         self.log_curve(out["summary"])
         return out["summary"]
 
@@ -245,10 +210,14 @@ class Watcher:
 
     def run(self) -> str:
         """Watch until the final adapter is evaluated ("final"), the run ended without it ("ended"), or nothing new
-        came for max_idle_s ("idle")."""
-        for name, parent in self.lora.served().items():  # adapters a crashed watcher left loaded
-            if parent is not None and name.startswith(recipe.ADAPTER_SERVED_NAME):
-                self.lora.unload(name)
+        came for max_idle_s ("idle"); first wait up to max_idle_s for the training job to create the repo."""
+        since = self.clock()
+        while not self.api.repo_exists(self.repo_id):
+            if self.clock() - since >= self.max_idle_s:
+                raise recipe.ConfigError(f"ADAPTER_REPO={self.repo_id} not found after {self.max_idle_s / 3600:.1f} h: "
+                                         "check the name, and that HF_TOKEN can read it")
+            logger.info("%s not found (yet): waiting for the training job to create it", self.repo_id)
+            self.sleep(self.poll_s)
         while True:
             try:
                 return self._watch()
@@ -285,51 +254,19 @@ class Watcher:
             self.sleep(self.poll_s)
 
 
-def wait_for_repo(api: Any, repo_id: str, max_wait_s: float, poll_s: float = recipe.EVAL_POLL_SECONDS,
-                  sleep: Callable[[float], None] = time.sleep) -> None:
-    """Wait for the training job to create the adapter repo (the watcher may start first), up to max_wait_s."""
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    waited = 0.0
-    while True:
-        try:
-            api.repo_info(repo_id)
-            return
-        except RepositoryNotFoundError:
-            if waited >= max_wait_s:
-                raise recipe.ConfigError(f"ADAPTER_REPO={repo_id} not found after {waited / 3600:.1f} h: check the "
-                                         "name, and that HF_TOKEN can read it") from None
-            logger.info("%s not found (yet): waiting for the training job to create it", repo_id)
-            sleep(poll_s)
-            waited += poll_s
-
-
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--adapter-repo", default=os.environ.get("ADAPTER_REPO"))
-    parser.add_argument("--n-tasks", help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
-    parser.add_argument("--env-url", default=os.environ.get("ENV_URL", f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"))
-    parser.add_argument("--vllm-url", default=os.environ.get("VLLM_URL", f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"))
-    parser.add_argument("--split", default=os.environ.get("EVAL_SPLIT", ""), help="env server split (test)")
-    parser.add_argument("--work-dir", default=os.environ.get("EVAL_WORK_DIR", "eval-work"))
-    parser.add_argument("--max-idle-hours", help="stop after this long without a new checkpoint (env MAX_IDLE_HOURS, "
-                                                 f"default {recipe.MAX_IDLE_HOURS:g})")
-    args = parser.parse_args()
-    # Checked after parsing (recipe.py's checks, as run_eval.sh's preflight): a bad value never breaks --help.
-    n_tasks = recipe.knob("N_TASKS", value=args.n_tasks)
-    max_idle_s = recipe.knob("MAX_IDLE_HOURS", value=args.max_idle_hours) * 3600
-    concurrency, sandbox = recipe.knob("EVAL_CONCURRENCY"), recipe.knob("SANDBOX")
+    """run_eval.sh's environment, each knob checked by recipe.py (as its preflight did)."""
+    n_tasks, concurrency, sandbox = recipe.knob("N_TASKS"), recipe.knob("EVAL_CONCURRENCY"), recipe.knob("SANDBOX")
+    max_idle_s = recipe.knob("MAX_IDLE_HOURS") * 3600
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    repo_id = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")
+    repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO"), "ADAPTER_REPO")
     from huggingface_hub import HfApi
 
     api = HfApi(token=recipe.require_token())
-    wait_for_repo(api, repo_id, max_idle_s)
-    factory = ea.HarborEvalFactory(args.env_url, args.vllm_url, args.split, sandbox)
-    tasks = factory.tasks()
+    factory, tasks, lora = ea.servers(sandbox)
     ea.choose_subset(len(tasks), n_tasks)  # a subset larger than the split is refused now, not after a wait
     board = dashboard.for_eval(repo_id, "eval-watch", os.environ)
-    watcher = Watcher(api, repo_id, factory, ea.LoraServer(args.vllm_url), tasks, Path(args.work_dir),
+    watcher = Watcher(api, repo_id, factory, lora, tasks, Path(os.environ.get("EVAL_WORK_DIR", "eval-work")),
                       n_tasks=n_tasks, max_idle_s=max_idle_s, concurrency=concurrency, board=board)
     try:
         print(f"eval_watch: stopped ({watcher.run()})")
@@ -339,4 +276,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:]:  # no flags: the environment above is the interface
+        sys.exit(__doc__)
     raise SystemExit(adapter_repo.run_cli("eval_watch", main))

@@ -1,13 +1,11 @@
-"""OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client.
-
-One session is one `HarborEnv.run_rollout` call to the env server (sandbox, OpenCode through the capture proxy, the
-task's verifier); the sessions are openenv `TrainableSession`s, as TRL 1.15's loop-owning worker requires. How they are
-used, and OpenEnv's purpose rules: docs/training.md "Harbor sessions".
-"""
+"""OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client: one session is one
+`HarborEnv.run_rollout` call to the env server (sandbox, OpenCode through the capture proxy, the task's verifier), an
+openenv `TrainableSession` as TRL 1.15's loop-owning worker requires. Usage and OpenEnv's purpose rules:
+docs/training.md "Harbor sessions"."""
 
 from __future__ import annotations
 
-import hashlib
+import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -25,11 +23,6 @@ VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "Downl
                           "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
 
 
-def instruction_key(instruction: str) -> str:
-    """The task key TRL's prompt is matched by: TRL hands `create()` the prompt only, never the task index."""
-    return hashlib.sha1(instruction.strip().encode()).hexdigest()
-
-
 def choose_split(names: list[str], wanted: str) -> str:
     """The env server's split to use: the named one, else its only one."""
     if wanted in names or (not wanted and len(names) == 1):
@@ -40,12 +33,14 @@ def choose_split(names: list[str], wanted: str) -> str:
 
 
 class HarborRolloutSession(ResourceSession):
-    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read."""
+    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read. An
+    eval's (`purpose="eval"`, explicit `eval_sampling`, no training policy) is made with (task_index, model) only."""
 
-    def __init__(self, env_url: str, *, split: str, task_index: int, task_name: str = "", instruction: str = "",
-                 llm_url: str = "", model: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
-                 agent_timeout_sec: float = 0.0, agent_step_limit: int = 0, purpose: str = "train",
-                 sampling: dict[str, Any] | None = None, eval_sampling: dict[str, Any] | None = None) -> None:
+    def __init__(self, env_url: str, split: str, task_index: int, model: str = "", *, task_name: str = "",
+                 instruction: str = "", llm_url: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
+                 agent_timeout_sec: float = recipe.AGENT_TIMEOUT_SEC, agent_step_limit: int = recipe.AGENT_CALL_LIMIT,
+                 purpose: str = "train", sampling: dict[str, Any] | None = None,
+                 eval_sampling: dict[str, Any] | None = None) -> None:
         if purpose == "train" and sampling is None:
             raise ValueError("a training rollout needs the trainer's sampling policy (TRL passes it to the factory)")
         self.env_url, self.split, self.task_index, self.task_name = env_url, split, task_index, task_name
@@ -144,14 +139,13 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
     _lock = threading.Lock()  # the class's, not an instance's: TRL pickles the factory into its spawned child
 
     def __init__(self, env_url: str, *, split: str = "", llm_url: str = "", model: str = "", harness: str = "opencode",
-                 sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = 0.0, agent_step_limit: int = 0,
-                 sampling: dict[str, Any] | None = None) -> None:
+                 sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = recipe.AGENT_TIMEOUT_SEC,
+                 agent_step_limit: int = recipe.AGENT_CALL_LIMIT, sampling: dict[str, Any] | None = None) -> None:
         self.env_url, self.split = env_url.rstrip("/"), split
         self.session_kwargs = {"llm_url": llm_url, "model": model, "harness": harness, "sandbox": sandbox,
                                "agent_timeout_sec": agent_timeout_sec, "agent_step_limit": agent_step_limit}
         self.sampling = sampling
         self._tasks: list[dict[str, Any]] = []
-        self._by_key: dict[str, dict[str, Any]] = {}
 
     def tasks(self) -> list[dict[str, Any]]:
         """[{index, task_name, instruction}] of the split (choose_split), fetched once, under a lock: TRL's pool threads
@@ -163,9 +157,8 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                 with HarborEnv(base_url=self.env_url) as env:
                     self.split = choose_split([str(s.get("name", "")) for s in env.splits()], self.split)
                     refs = env.get_task_range(self.split, 0, env.num_tasks(self.split))
-                tasks = [{"index": int(r.index), "task_name": r.task_name, "instruction": r.instruction} for r in refs]
-                self._by_key = {instruction_key(t["instruction"]): t for t in tasks}
-                self._tasks = tasks
+                self._tasks = [{"index": int(r.index), "task_name": r.task_name, "instruction": r.instruction}
+                               for r in refs]
             return self._tasks
 
     def prompt_rows(self) -> list[dict[str, Any]]:
@@ -174,25 +167,20 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                  "task_index": t["index"]} for t in self.tasks()]
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
-        """A training session for the task whose instruction is this prompt; KeyError for a prompt not served."""
-        self.tasks()
-        found = self._by_key.get(instruction_key(str(task[-1]["content"])))  # TRL passes prompt_rows()' messages
+        """A training session for the task whose instruction is this prompt (TRL hands `create()` prompt_rows()'
+        messages, never the task index); KeyError for a prompt not served."""
+        prompt = str(task[-1]["content"]).strip()
+        found = next((t for t in self.tasks() if t["instruction"].strip() == prompt), None)
         if found is None:
             raise KeyError("this prompt matches no task on the env server: build the dataset from prompt_rows()")
         return HarborRolloutSession(self.env_url, split=self.split, task_index=found["index"],
                                     task_name=found["task_name"], instruction=found["instruction"],
                                     purpose="train", sampling=self.sampling, **self.session_kwargs)
 
-    def eval_session(self, task_index: int, model: str, eval_sampling: dict[str, Any]) -> HarborRolloutSession:
-        """An eval session (`purpose="eval"`, explicit eval sampling, no training policy) for one task and model."""
-        kwargs = {**self.session_kwargs, "model": model}
-        return HarborRolloutSession(self.env_url, split=self.split, task_index=task_index, purpose="eval",
-                                    eval_sampling=eval_sampling, **kwargs)
-
 
 def check() -> str:
-    """Prove, in the job's own interpreter, that these sessions are TrainableSessions by the installed openenv's
-    protocol: TRL 1.15 would otherwise refuse the first rollout, after vLLM started."""
+    """run_job.sh's step 2, in the job's interpreter: the sessions are the installed openenv's TrainableSessions (TRL
+    1.15 would otherwise refuse the first rollout, after vLLM started)."""
     from importlib import metadata
 
     from openenv.core.harness import TrainableSession
@@ -205,8 +193,6 @@ def check() -> str:
 
 
 if __name__ == "__main__":
-    import sys
-
     if sys.argv[1:] != ["check"]:
         sys.exit("usage: python3 harbor_sessions.py check")
     try:

@@ -328,8 +328,6 @@ huggingface_hub>=1.31,<2.0
 kernels==0.16.0
 # prepare_tasks.py rewrites task.toml with a real TOML writer; 1.2.0 is what openenv already pulls in.
 tomli-w==1.2.0
-# eval_watch.py draws eval/learning_curve.png; neither this stack nor vLLM 0.31's brings it.
-matplotlib==3.11.2
 # the training and eval dashboard (REPORT_TO=trackio); resolves beside vllm==0.31.0's own requirements.
 trackio==0.43.0
 """

@@ -1,24 +1,15 @@
 #!/usr/bin/env bash
-# Eval job: vLLM in LoRA mode and the env server on the held-out test tasks, then eval_adapter.py (base vs one
-# adapter, pushed to the adapter repo) or, with EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (every checkpoint
-# as it is pushed). An HF Job on the vllm/vllm-openai image (flavor h200, expose_public=[PUBLIC_PORT]), and
-# run_job.sh's final eval (CHECKPOINT=final). Reference: docs/evaluation.md.
+# Eval job (HF Job, vllm/vllm-openai image, flavor h200, expose_public=[PUBLIC_PORT]; also run_job.sh's final eval):
+# vLLM in LoRA mode and the env server on the held-out test tasks, then eval_adapter.py (base vs one adapter) or, with
+# EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (each checkpoint as it is pushed). Environment (defaults from
+# recipe.py; what each means: docs/evaluation.md): ADAPTER_REPO, HF_TOKEN (a job secret, never printed), EVAL_MODE=full,
+# CHECKPOINT=final, EVAL_TASKS=<TEST_TASKS>, N_TASKS=<EVAL_WATCH_TASKS>, MAX_IDLE_HOURS=<MAX_IDLE_HOURS>,
+# SANDBOX=<SANDBOX>, REPORT_TO=<REPORT_TO>, DASHBOARD_SPACE=<DASHBOARD_SPACE>, SPACE_HOST | JOB_ID | HF_JOB_ID,
+# EVAL_CONCURRENCY=<EVAL_CONCURRENCY>, GPU=<EVAL_GPU>, READY_TIMEOUT=<READY_TIMEOUT_S>, POLICY_PORT=<VLLM_PORT>,
+# ENV_PORT=<ENV_PORT>, PUBLIC_PORT=<PUBLIC_PORT>, WORK_DIR=/tmp/lfm-eval, LOG_DIR=/tmp/lfm-logs, DEBUG=0, DRY_RUN=0.
 #
 #   ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=checkpoint-500 bash run_eval.sh
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_eval.sh     # print the plan, start nothing
-#
-# Environment (defaults from recipe.py):
-#   ADAPTER_REPO, HF_TOKEN   required (the token a job secret, never printed).
-#   EVAL_MODE=full           full: eval_adapter.py; watch: eval_watch.py.
-#   CHECKPOINT=final         full: "final" (the adapter at the repo root) or "checkpoint-N".
-#   EVAL_TASKS=<TEST_TASKS>  full: a fixed, seeded subset of the test tasks (the smoke run's final eval).
-#   N_TASKS=<EVAL_WATCH_TASKS>  MAX_IDLE_HOURS=<MAX_IDLE_HOURS>   watch: the subset's size; stop after this long idle.
-#   SANDBOX=<SANDBOX>        or daytona, e2b: its key as a job secret (docs/sandboxes.md).
-#   REPORT_TO=<REPORT_TO>  DASHBOARD_SPACE=<DASHBOARD_SPACE>  where the pass@1 points and the summary are logged.
-#   SPACE_HOST | JOB_ID | HF_JOB_ID   the job's public host (sandboxes reach the capture proxy there).
-#   EVAL_CONCURRENCY=<EVAL_CONCURRENCY>  GPU=<EVAL_GPU>  READY_TIMEOUT=<READY_TIMEOUT_S> (server start-up, s)
-#   POLICY_PORT=<VLLM_PORT>  ENV_PORT=<ENV_PORT>  PUBLIC_PORT=<PUBLIC_PORT>   (only PUBLIC_PORT is exposed)
-#   WORK_DIR=/tmp/lfm-eval  LOG_DIR=/tmp/lfm-logs  DEBUG=0 (1: a failing Python step prints its traceback)  DRY_RUN=0
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"

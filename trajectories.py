@@ -13,8 +13,7 @@ import adapter_repo
 import recipe
 
 PAGE_PATH = "trajectories.html"
-# Characters of a message kept (its head and tail): OpenCode's system prompt runs to ~10k characters, a tool's output
-# (a data frame, a traceback) can run to hundreds of thousands; the sample stays ~100 KB a rollout at most.
+# Characters of a message kept (head and tail): OpenCode's system prompt is ~10k, a tool's output can be 100k+.
 SYSTEM_CHARS, TEXT_CHARS, ARGUMENT_CHARS = 600, 1500, 800
 MESSAGES_KEPT = 70  # the first 6 and the last 64 of a longer conversation (32 agent calls are ~66 messages)
 _SAMPLE = re.compile(rf"^{adapter_repo.LOGS_DIR}/([^/]+)/trajectories/({recipe.CHECKPOINT_PATTERN})\.json$")
@@ -35,12 +34,10 @@ def _message(message: dict[str, Any]) -> dict[str, Any]:
     role, text = str(message.get("role", "")), message.get("content") or ""
     if isinstance(text, list):
         text = "\n".join(str(p.get("text", "")) for p in text if isinstance(p, dict) and p.get("text"))
-    shown: dict[str, Any] = {"role": role, "text": clip(str(text), SYSTEM_CHARS if role == "system" else TEXT_CHARS)}
     calls = [c.get("function") or c for c in message.get("tool_calls") or [] if isinstance(c, dict)]
-    if calls:
-        shown["tool_calls"] = [{"name": str(c.get("name", "")), "arguments": clip(c.get("arguments", ""),
-                                                                                     ARGUMENT_CHARS)} for c in calls]
-    return shown
+    return {"role": role, "text": clip(str(text), SYSTEM_CHARS if role == "system" else TEXT_CHARS),
+            "tool_calls": [{"name": str(c.get("name", "")), "arguments": clip(c.get("arguments", ""), ARGUMENT_CHARS)}
+                           for c in calls]}
 
 
 def trajectory(result: Any, *, task: str | None, reward: float | None, tool_calls: int) -> dict[str, Any]:
@@ -74,26 +71,31 @@ def repo_docs(api: Any, repo_id: str, revision: str | None = None) -> dict[str, 
 
 
 def _curve(train_logs: dict[str, Any], summary: dict[str, Any] | None) -> str:
-    """An SVG of the training reward per step (a line) and the watcher's pass@1 per checkpoint (dots)."""
+    """An SVG of the training reward per step (a line), the watcher's pass@1 per checkpoint (dots) and the base
+    model's (a dashed line)."""
     rewards = sorted({row["step"]: row["reward"] for doc in train_logs.values() for row in (doc or {}).get("logs", [])
                       if isinstance(row.get("reward"), int | float)}.items())
     evals = [(r["step"], r["pass_at_1"]) for r in (summary or {}).get("checkpoints", [])
              if r.get("complete") and r.get("pass_at_1") is not None]
+    base = ((summary or {}).get("base") or {}).get("pass_at_1")
     width, height, pad = 760, 260, 40
-    last = max([1, *(s for s, _ in rewards), *(s for s, _ in evals)])
-    top = max([1.0, *(v for _, v in rewards)])
+    last, top = max([1, *(s for s, _ in rewards + evals)]), max([1.0, *(v for _, v in rewards)])
 
-    def xy(step: float, value: float) -> str:
-        return f"{pad + step / last * (width - 2 * pad):.1f},{height - pad - value / top * (height - 2 * pad):.1f}"
+    def x(step: float) -> float:
+        return round(pad + step / last * (width - 2 * pad), 1)
 
-    parts = [f'<svg id="curve" width="{width}" height="{height}" role="img" aria-label="learning curve">',
-             f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" class="frame"/>',
-             f'<text x="{pad}" y="{pad - 8}">reward / pass@1 (0-{top:g}) against step (0-{last})</text>']
-    if rewards:
-        parts.append(f'<polyline class="reward" points="{" ".join(xy(s, v) for s, v in rewards)}"/>')
-    parts += [f'<circle class="pass" r="5" cx="{xy(s, v).split(",")[0]}" cy="{xy(s, v).split(",")[1]}">'
-              f"<title>step {s}: pass@1 {v:.2f}</title></circle>" for s, v in evals]
-    return "".join(parts) + "</svg>"
+    def y(value: float) -> float:
+        return round(height - pad - value / top * (height - 2 * pad), 1)
+
+    dots = "".join(f'<circle class="pass" r="5" cx="{x(s)}" cy="{y(v)}"><title>step {s}: pass@1 {v:.2f}</title>'
+                   "</circle>" for s, v in evals)
+    if base is not None:
+        dots += (f'<line class="base" x1="{pad}" x2="{width - pad}" y1="{y(base)}" y2="{y(base)}"><title>base model: '
+                 f"pass@1 {base:.2f}</title></line>")
+    return (f'<svg id="curve" width="{width}" height="{height}" role="img" aria-label="learning curve">'
+            f'<rect x="{pad}" y="{pad}" width="{width - 2 * pad}" height="{height - 2 * pad}" class="frame"/>'
+            f'<text x="{pad}" y="{pad - 8}">reward / pass@1 (0-{top:g}) against step (0-{last})</text>'
+            f'<polyline class="reward" points="{" ".join(f"{x(s)},{y(v)}" for s, v in rewards)}"/>{dots}</svg>')
 
 
 def _trajectory_html(t: dict[str, Any]) -> str:
@@ -120,13 +122,11 @@ def page(repo_id: str, docs: dict[str, Any]) -> str:
         sections.append(f'<section id="{e(name)}"><h2>{e(name)}: {said}</h2>'
                         + "".join(_trajectory_html(t) for t in sample or []) + "</section>")
     style = ("body{font-family:sans-serif;max-width:60em;margin:auto}pre{white-space:pre-wrap;margin:.2em 0}"
-             ".frame{fill:none;stroke:#999}.reward{fill:none;stroke:#36c;stroke-width:1.5}.pass{fill:#c33}"
-             ".msg{border-left:3px solid #ccc;padding-left:.5em;margin:.4em 0}.assistant{border-color:#36c}"
-             ".tool{border-color:#393}.call{color:#36c}.error{color:#c33}summary{cursor:pointer;margin:.3em 0}")
+             ".frame{fill:none;stroke:#999}.reward{fill:none;stroke:#36c}.pass{fill:#c33}.base{stroke:#999;"
+             "stroke-dasharray:6}.msg{border-left:3px solid #ccc;padding-left:.5em}.call{color:#36c}.error{color:#c33}")
     return (f'<!doctype html><html><head><meta charset="utf-8"><title>{e(repo_id)}: what the agent did</title>'
             f"<style>{style}</style></head><body><h1>{e(repo_id)}: what the agent did</h1>"
-            "<p>Blue line: the training reward per step (train_log.json of every job). Red dots: the eval watcher's "
-            "pass@1 per checkpoint (eval/summary.json). Below, per checkpoint, the last rollouts finished before it "
-            f"was pushed (logs/&lt;job&gt;/trajectories/): open one to read its conversation.</p>"
+            "<p>Blue: the training reward per step. Red dots: the eval watcher's pass@1 per checkpoint; dashed: the "
+            "base model's. Below, per checkpoint, the last rollouts before it was pushed: open one to read it.</p>"
             f"{_curve(docs['train_logs'], docs.get('summary'))}{''.join(sections)}</body></html>")
 

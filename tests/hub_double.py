@@ -103,6 +103,16 @@ class LocalHub:
         info = DatasetInfo if repo_type == "dataset" else ModelInfo
         return info(id=repo_id, sha=self._read_head(repo_id), private=True)
 
+    def repo_exists(self, repo_id: str, *, repo_type: str | None = None) -> bool:
+        """HfApi.repo_exists: repo_info answers, or raises RepositoryNotFoundError (False)."""
+        from huggingface_hub.errors import RepositoryNotFoundError
+
+        try:
+            self.repo_info(repo_id, repo_type=repo_type)
+        except RepositoryNotFoundError:
+            return False
+        return True
+
     def model_info(self, repo_id: str, *, revision: str | None = None) -> ModelInfo:
         self._repo(repo_id)
         return ModelInfo(id=repo_id, sha=self._read_head(repo_id), private=True)

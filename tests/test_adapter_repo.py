@@ -197,7 +197,7 @@ def test_the_watcher_and_the_full_eval_never_share_a_file():
     full = {ar.full_results_path(n) for n in names}
     watch = {ar.watch_results_path(n) for n in names} | {ar.WATCH_BASE_PATH}
     assert len(full) == len(names) and len(watch) == len(names) + 1
-    assert not full & (watch | {ar.SUMMARY_PATH, ar.CURVE_PATH})
+    assert not full & (watch | {ar.SUMMARY_PATH})
     assert ar.watched_checkpoints([*full, *watch, ar.SUMMARY_PATH]) == {n: ar.watch_results_path(n) for n in names}
 
 

@@ -13,10 +13,13 @@ doubles (order, resume, two writers, smoke runs), where a real engine and chain 
 
 from __future__ import annotations
 
+import contextlib
 import json
+from collections.abc import Iterator
 from pathlib import Path
 
 import engine
+import httpx
 import pytest
 import torch
 from chain import envserver
@@ -84,25 +87,31 @@ def watched(tmp_path_factory):
     ids = probe_ids(envserver.CHAIN_VOCAB)
     served: list[dict] = []
     lora = ea.LoraServer(vllm.url)
-    real_load = lora.load
+    real_serving = lora.serving
 
-    def load_and_probe(name: str, path: Path) -> None:
-        real_load(name, path)
-        served.append({"name": name, "path": path, "adapter": engine.prompt_logprobs(vllm.url, ids, name),
-                       "base": engine.prompt_logprobs(vllm.url, ids)})
+    @contextlib.contextmanager
+    def serving_and_probe(name: str, path: Path) -> Iterator[None]:
+        with real_serving(name, path):
+            served.append({"name": name, "path": path, "adapter": engine.prompt_logprobs(vllm.url, ids, name),
+                           "base": engine.prompt_logprobs(vllm.url, ids)})
+            yield
 
-    lora.load = load_and_probe
+    lora.serving = serving_and_probe
     server = envserver.EnvServer(root / "env", tasks / "test", vllm.url, bucket.url,
                                  max_output_tokens=envserver.RANDOM_MODEL_MAX_TOKENS)
     try:
         vllm.wait()
         server.start()  # it probes vLLM before it serves
-        factory = ea.HarborEvalFactory(server.url, vllm.url)
-        watcher = ew.Watcher(hub, REPO, factory, lora, factory.tasks(), root / "work", n_tasks=1, concurrency=1,
-                             poll_s=0, max_idle_s=0)
+        with pytest.MonkeyPatch.context() as env:
+            env.setenv("ENV_URL", server.url)
+            env.setenv("VLLM_URL", vllm.url)
+            factory, tasks, _ = ea.servers(recipe.SANDBOX)
+        watcher = ew.Watcher(hub, REPO, factory, lora, tasks, root / "work", n_tasks=1, concurrency=1, poll_s=0,
+                             max_idle_s=0)
         ended = watcher.run()
+        loaded = {card["id"]: card.get("parent") for card in httpx.get(f"{vllm.url}/v1/models").json()["data"]}
         yield {"ended": ended, "served": served, "model": model, "root": root, "hub": hub, "ids": ids,
-               "loaded": lora.served()}
+               "loaded": loaded}
     finally:
         server.stop()
         vllm.stop()

@@ -362,7 +362,6 @@ def test_session_factory_builds_harbor_sessions_that_trl_can_train_after_pickle(
     assert built.session_kwargs["agent_timeout_sec"] == recipe.AGENT_TIMEOUT_SEC
     assert TOKEN not in pickle.dumps(factory).decode("latin-1")
     built._tasks = [{"index": 3, "task_name": "t3", "instruction": "Say 4.2."}]  # as tasks() fills it
-    built._by_key = {harbor_sessions.instruction_key("Say 4.2."): built._tasks[0]}
     session = pickle.loads(pickle.dumps(built)).create([{"role": "user", "content": "Say 4.2.\n"}])
     assert isinstance(session, TrainableSession)  # TRL's loop-owning path refuses anything else
     assert (session.task_index, session.call["purpose"], session.call["sampling"]) == (3, "train", {"temperature": 1.0})

@@ -121,7 +121,7 @@ def page_file(tmp_path) -> Path:
     hub.create_repo(REPO)
     push_checkpoint(hub, tmp_path / "one", 100, work_folder(tmp_path / "w1", ["4.2", "7.5"]))
     summary = {"checkpoints": [{"checkpoint": "checkpoint-100", "step": 100, "complete": True, "pass_at_1": 0.31,
-                                "scored": 100}]}
+                                "scored": 100}], "base": {"pass_at_1": 0.2}}
     hub.upload_file(path_or_fileobj=json.dumps(summary).encode(), path_in_repo=adapter_repo.SUMMARY_PATH, repo_id=REPO)
     work = work_folder(tmp_path / "w2", ["4.2", "4.2", "nothing"])
     recipe.write_json(work / recipe.TRAIN_LOG_NAME, train_log(range(1, 201)))
@@ -136,8 +136,9 @@ def test_the_page_shows_the_learning_curve_and_each_checkpoints_trajectories_in_
         assert page.evaluate("document.title") == f"{REPO}: what the agent did"
         curve = page.evaluate("(() => { const r = document.querySelector('#curve').getBoundingClientRect();"
                               "return [r.width, r.height, document.querySelector('#curve polyline')"
-                              ".points.numberOfItems, document.querySelectorAll('#curve circle.pass').length]; })()")
-        assert curve == [760, 260, 200, 1]  # one point a logged step, one dot an evaluated checkpoint
+                              ".points.numberOfItems, document.querySelectorAll('#curve circle.pass').length,"
+                              "document.querySelector('#curve line.base').getBoundingClientRect().width]; })()")
+        assert curve == [760, 260, 200, 1, 680]  # a point a logged step, a dot an evaluated checkpoint, the base line
         text = page.evaluate("document.body.innerText")
         assert text.index("checkpoint-200: not evaluated by the watcher yet") < text.index(
             "checkpoint-100: pass@1 0.31 on 100 scored tasks")  # newest first
