@@ -63,10 +63,12 @@ start_bg() {
 tail_log() { [ -f "$LOG_DIR/$1.log" ] && tail -n "${2:-40}" "$LOG_DIR/$1.log" | sed "s/^/  $1| /" >&2 || true; }
 
 # wait_http NAME URL TIMEOUT_S PID: waits until URL answers 2xx (polling every WAIT_POLL=2 s); fails early if PID dies.
+# Python's client, no proxy (curl may not be in the image; python3 is).
 wait_http() {
-  local name="$1" url="$2" timeout="$3" pid="${4:-}" start=$SECONDS
+  local name="$1" url="$2" timeout="$3" pid="${4:-}" start=$SECONDS get
+  get='import sys, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=5)'
   if dry_run; then echo "  wait for $name at $url (timeout ${timeout}s)"; return 0; fi
-  until curl -fsS -o /dev/null --max-time 5 "$url" 2>/dev/null; do
+  until "$PYTHON" -c "$get" "$url" 2>/dev/null; do
     if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then tail_log "$name"; die "$name exited before it was ready"; fi
     if (( SECONDS - start > timeout )); then tail_log "$name"; die "$name not ready at $url after ${timeout}s"; fi
     sleep "${WAIT_POLL:-2}"
@@ -144,7 +146,7 @@ job_knobs() {
 }
 
 # job_preflight GPU...: every job script's step 0, each failure one line before anything is installed or started:
-# ADAPTER_REPO and HF_TOKEN, the sandbox backend, the job's public host, curl, the GPUs given, the three ports free.
+# ADAPTER_REPO and HF_TOKEN, the sandbox backend, the job's public host, the GPUs given, the three ports free.
 job_preflight() {
   local port job_id="${JOB_ID:-${HF_JOB_ID:-}}"
   py_check 'import os, recipe
@@ -155,7 +157,6 @@ recipe.require_token(); recipe.sandbox_keys(os.environ["SANDBOX"])'
   PUBLIC_HOSTNAME="${SPACE_HOST:-$job_id--$PUBLIC_PORT.hf.jobs}"
   # shellcheck disable=SC2034  # read by the sourcing script
   CAPTURE_URL="https://$PUBLIC_HOSTNAME/capture"
-  command -v curl >/dev/null || die "curl is not installed: the job waits for its servers with it (the recipe's image has it)"
   require_gpus "$@"
   for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
 }

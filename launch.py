@@ -94,8 +94,7 @@ def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str,
 
 
 def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
-    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's): its final adapter must not land in the
-    full run's repo, where the eval watcher stops at it and a full train is refused."""
+    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's), away from the full run's watcher."""
     try:
         return recipe.require_repo_id(f"{adapter_repo}{suffix}", "ADAPTER_REPO")
     except recipe.ConfigError:
@@ -186,12 +185,8 @@ def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str, j
 def job_command(code_repo: str, revision: str, script: str) -> list[str]:
     """Download exactly the uploaded bundle commit to /app and run one script (the image has python3, no git)."""
     hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
-    steps = [
-        f"pip -q install {shlex.quote(hub)}",
-        f"hf download {shlex.quote(code_repo)} --revision {shlex.quote(revision)} --local-dir {APP_DIR}",
-        f"bash {APP_DIR}/{script}",
-    ]
-    return ["bash", "-c", " && ".join(steps)]
+    return ["bash", "-c", f"pip -q install {shlex.quote(hub)} && hf download {shlex.quote(code_repo)} --revision "
+                          f"{shlex.quote(revision)} --local-dir {APP_DIR} && bash {APP_DIR}/{script}"]
 
 
 def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
@@ -288,16 +283,9 @@ def smoke_timeout(mode: str, args: argparse.Namespace, job: dict[str, str]) -> s
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
              timeout: str | None = None) -> dict[str, Any]:
     """The keyword arguments of `run_job` (every job runs OpenCode in remote sandboxes: all expose /capture)."""
-    return {
-        "image": recipe.VLLM_IMAGE,
-        "command": job_command(code_repo, revision, MODES[mode]["script"]),
-        "flavor": MODES[mode]["flavor"],
-        "timeout": timeout or MODES[mode]["timeout"],
-        "env": env,
-        "secrets": secrets,
-        "expose_public": [recipe.PUBLIC_PORT],
-        "name": f"{PROJECT}-{mode}",
-    }
+    return {"image": recipe.VLLM_IMAGE, "command": job_command(code_repo, revision, MODES[mode]["script"]),
+            "flavor": MODES[mode]["flavor"], "timeout": timeout or MODES[mode]["timeout"], "env": env,
+            "secrets": secrets, "expose_public": [recipe.PUBLIC_PORT], "name": f"{PROJECT}-{mode}"}
 
 
 def dashboard_info(job: dict[str, str], owner: str) -> dict[str, str] | None:
@@ -336,9 +324,8 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
                         help=f"repo the code bundle is uploaded to (env CODE_REPO; default <owner>/{CODE_REPO_NAME})")
     common.add_argument("--bundle-dir", type=Path, default=Path(env.get("BUNDLE_DIR", HERE)),
                         help="checkout to upload (env BUNDLE_DIR, default this script's folder)")
-    common.add_argument("--dry-run", action="store_true",
-                        help="print the job spec and the files to upload as JSON; touch nothing remote "
-                             "(env DRY_RUN=1, or true/yes/on)")
+    common.add_argument("--dry-run", action="store_true", help="print the job spec and the files to upload as JSON; "
+                        "touch nothing remote (env DRY_RUN=1, or true/yes/on)")
     for name in JOB_KNOBS["all"]:
         knob_flag(common, name)
     parser = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0])
