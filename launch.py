@@ -34,20 +34,18 @@ CODE_REPO_NAME = f"{PROJECT}-code"
 APP_DIR = "/app"
 # The recipe's own upload patterns (`hf upload --include`); Path.glob's * stays within one folder.
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
-# Files every job needs besides its entry script and the mode's own (MODES).
-COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py",
-                "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
-                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py", "trajectories.py")
-TRAIN_FILES = ("train_lora.py", "train_callbacks.py", "train_weight_sync.py", "train_rollouts.py", "train_metrics.py",
-               "model_cards.py", "train_resume.py")
-MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": ar.TRAIN_SCRIPT, "needs": TRAIN_FILES, "flavor": recipe.TRAIN_FLAVOR,
-              "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": ar.TRAIN_SCRIPT, "needs": (*TRAIN_FILES, "smoke_report.py"), "flavor": recipe.TRAIN_FLAVOR,
-              "timeout": None},  # the smoke plan's cap (smoke_timeout)
-    "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",), "flavor": recipe.EVAL_FLAVOR,
-                   "timeout": recipe.EVAL_WATCH_TIMEOUT},
-    "eval": {"script": "run_eval.sh", "needs": (), "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_TIMEOUT},
+# The jobs' scripts and every module they import: a bundle that lacks one is a partial checkout.
+JOB_FILES = ("run_job.sh", "run_eval.sh", "run_eval_watch.sh", "recipe.py", "common.sh", "image_check.py",
+             "prepare_tasks.py", "eval_adapter.py", "eval_watch.py", "harbor_sessions.py", "adapter_repo.py",
+             "serve_policy.sh", "chat_template.py", "serve_env.sh", "seam_patch.py", "capture_gateway.py",
+             "dashboard.py", "sandbox_lifecycle.py", "trajectories.py", "train_lora.py", "train_callbacks.py",
+             "train_weight_sync.py", "train_rollouts.py", "train_metrics.py", "model_cards.py", "train_resume.py",
+             "smoke_report.py")
+MODES: dict[str, dict[str, Any]] = {  # a smoke's timeout is its plan's cap (smoke_timeout)
+    "train": {"script": ar.TRAIN_SCRIPT, "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
+    "smoke": {"script": ar.TRAIN_SCRIPT, "flavor": recipe.TRAIN_FLAVOR, "timeout": None},
+    "eval-watch": {"script": "run_eval_watch.sh", "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
+    "eval": {"script": "run_eval.sh", "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_TIMEOUT},
 }
 # The knobs each mode (every mode: "all") passes to its job when given (flag or environment), checked as the job checks
 # them (recipe.KNOBS); the smoke plan fixes SAVE_STEPS, RESUME and FINAL_EVAL.
@@ -109,8 +107,8 @@ def bundle_files(bundle: Path) -> list[str]:
                    if p.is_file()})
 
 
-def check_bundle(bundle: Path, mode: str) -> list[str]:
-    """The bundle's files, every one the chosen job runs among them, and its task lists as prepare_tasks.py checks
+def check_bundle(bundle: Path) -> list[str]:
+    """The bundle's files, every one a job runs among them (JOB_FILES), and its task lists as prepare_tasks.py checks
     them (400 medium + 600 hard, 250 test)."""
     import prepare_tasks
 
@@ -120,7 +118,7 @@ def check_bundle(bundle: Path, mode: str) -> list[str]:
     lists = {split: prepare_tasks.load_list(bundle / "data", split) for split in prepare_tasks.SPLITS}
     prepare_tasks.check_lists(lists, prepare_tasks.Counts())
     files = bundle_files(bundle)
-    if missing := sorted({MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES} - set(files)):
+    if missing := sorted(set(JOB_FILES) - set(files)):
         raise recipe.ConfigError(f"the bundle in {bundle} lacks {', '.join(missing)}: run launch.py from a full "
                                  f"checkout of {PROJECT} (or pass --bundle-dir)")
     return files
@@ -359,8 +357,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     """Preflight, then (unless --dry-run) upload the bundle and start the job; return what was (or would be) done."""
     mode, bundle = args.mode, args.bundle_dir
     recipe.knob("DEBUG", env)
-    from_env = recipe.knob("DRY_RUN", env)  # checked even beside --dry-run: a typo there is refused, not ignored
-    args.dry_run = args.dry_run or from_env
+    args.dry_run = recipe.knob("DRY_RUN", env) or args.dry_run  # checked even beside --dry-run: a typo is refused
     if not args.dry_run:
         check_hub_version(hub_version)
     token = checked_token(env, stored_token)
@@ -370,7 +367,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         adapter_repo = suffixed_repo(adapter_repo, ar.SMOKE_SUFFIX, "the smoke run pushes to")
     elif mode == "train" and (steps := recipe.knob("MAX_STEPS", env, args.max_steps)) < recipe.MAX_STEPS:
         adapter_repo = suffixed_repo(adapter_repo, f"-{steps}steps", f"a {steps}-step run pushes to")
-    files = check_bundle(bundle, mode)
+    files = check_bundle(bundle)
     if env.get("MODEL", "").strip() not in ("", recipe.BASE_MODEL):  # read by train_lora.py and serve_policy.sh alone
         raise recipe.ConfigError(f"MODEL={env['MODEL'].strip()!r} is not passed to the job: the recipe trains "
                                  f"{recipe.BASE_MODEL} (its LoRA targets, chat template, tool parser and pinned "

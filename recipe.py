@@ -26,9 +26,7 @@ ADAPTER_SERVED_NAME = "opencode-lora"  # the adapter's name beside the base mode
 # --- Images ------------------------------------------------------------------------------------------------------
 VLLM_IMAGE = "vllm/vllm-openai:v0.31.0"  # top of trl 1.15's vLLM band; ships the lfm2 tool parser
 VLLM_VERSION = "0.31.0"
-# `pip check` breaks the install step accepts, (package, dependency): vLLM imports mcp only in its MCP tool server,
-# which the job never starts (evidence: docs/recipe.md); image_check.py refuses any other.
-PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)
+PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)  # pip check's (package, dependency) breaks let pass: docs/recipe.md says why
 TASK_IMAGE = "docker.io/savatar101/env-data-agent-train:base"  # every task builds FROM it; hf-sandbox needs it named
 
 # --- Data --------------------------------------------------------------------------------------------------------
@@ -41,8 +39,7 @@ TRAIN_HARD = 600
 TEST_TASKS = 250
 # Every task's tests/grader.py (the lineage's numeric-only grader): a task whose grader differs is refused.
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
-# Harbor's backend for every rollout (env SANDBOX): the key sets Harbor's preflight accepts (any one, all of it set;
-# passed as job secrets), SDK settings passed on when set, pins installed with JOB_REQUIREMENTS (docs/sandboxes.md).
+# Harbor's backend (env SANDBOX): its key sets (any one, in full), SDK settings and pins (docs/sandboxes.md).
 SANDBOX = "hf-sandbox"
 SANDBOXES: dict[str, dict[str, Any]] = {
     "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": ""},
@@ -105,8 +102,7 @@ EVAL_FLAVOR = "h200"
 EVAL_WATCH_TIMEOUT = "48h"
 EVAL_TIMEOUT = "12h"
 EVAL_WATCH_TASKS = 100  # the live learning curve's fixed test subset
-# What a run costs (launch.py's cost lines): the recipe's own figures and the rollout-pipeline simulation's
-# (benchmarks/README.md; sources: docs/recipe.md).
+# What a run costs (launch.py's cost lines): the recipe's figures and the pipeline simulation's (docs/recipe.md).
 RECIPE_TRAIN_HOURS = (10, 25)
 RECIPE_SMOKE_MINUTES = 40
 SIMULATED_TRAIN_HOURS = (27, 47)
@@ -128,8 +124,7 @@ ENV_PORT = 8001  # the env server's task API, loopback only
 VLLM_PORT = 8100  # loopback only: vLLM's dev endpoints are unauthenticated
 PORT_KNOBS = ("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT")  # the job's port knobs: vLLM, the env server, the gateway
 LOOPBACK = "127.0.0.1"
-# Stall watchdog (run_job.sh): a healthy run finishes a rollout or a step within TRL's, Harbor's and OpenEnv's own
-# limits plus a margin, 40 minutes (the derivation: docs/recipe.md).
+# Stall watchdog (run_job.sh): TRL's, Harbor's and OpenEnv's own limits plus a margin, 40 minutes (docs/recipe.md).
 ROLLOUT_CALL_LIMIT_S = 1800  # OpenEnv's Harbor client: one rollout call, sandbox boot to grade
 TASK_API_TIMEOUT_S = 120  # a session's create() and the task API (HarborEnv's HTTP client)
 WORKER_START_LIMIT_S = 300  # TRL fails a rollout child not up by then (child_ready_timeout)
@@ -141,8 +136,7 @@ SANDBOX_IDLE_MARGIN_S = 300  # a trial at its call limit keeps its sandbox while
 # HF Sandbox idle timeout (35 min): a running command is no activity to it, so a whole trial may look idle.
 SANDBOX_IDLE_TIMEOUT_S = AGENT_TIMEOUT_SEC + ROLLOUT_SETUP_BUDGET_S + SANDBOX_IDLE_MARGIN_S
 FAILED_TRIALS_KEEP_MB = 2048  # unscorable rollouts' trial folders kept, newest first (scored ones are removed)
-# Rollout guard (train_rollouts.py): a wave of unscorable rollouts in a row, or more than half of a window, is a shared
-# cause that stops the job (independent failures almost never do: docs/recipe.md).
+# Rollout guard (train_rollouts.py): a wave of unscorable rollouts in a row, or half a window, stops the job.
 ROLLOUT_ABORT_STREAK = MAX_INFLIGHT_ROLLOUTS
 ROLLOUT_WINDOW = 256
 ROLLOUT_MAX_UNSCORABLE = 0.5
@@ -267,8 +261,7 @@ def upstream_errors(result: Any) -> int:
     return int(found[0][len(UPSTREAM_FINDING):].split()[0]) if found else 0
 
 
-# The names the trainer pushes under: "final" (the adapter at the repo root) or checkpoint-N, N >= 1; here, below
-# every script, so that the knob check and the repo layout (adapter_repo) share the rule.
+# The names the trainer pushes under (the CHECKPOINT knob's rule and adapter_repo's layout): final or checkpoint-N.
 CHECKPOINT_PREFIX = "checkpoint-"
 FINAL = "final"
 CHECKPOINT_PATTERN = rf"{FINAL}|{CHECKPOINT_PREFIX}[1-9][0-9]*"
@@ -340,11 +333,7 @@ def check_versions(names: tuple[str, ...] = ("trl", "transformers"), text: str =
 
 
 def require_repo_id(value: str | None, var: str, example: str = "you/LFM2.5-2.6B-opencode-lora-RL") -> str:
-    """Return `value` if it is an `owner/name` repo id the Hub accepts; otherwise explain the expected form.
-
-    The character rules are huggingface_hub's own `validate_repo_id`, never a copy (every caller has huggingface_hub);
-    only the `owner/` part is the recipe's rule.
-    """
+    """`value` if it is an `owner/name` repo id the Hub accepts (huggingface_hub's own rule, never a copy)."""
     from huggingface_hub.utils import HFValidationError, validate_repo_id
 
     if not value:
@@ -559,9 +548,12 @@ def _shell_knobs() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    """The shell scripts' door: knob values, checked environment knobs, the job's requirements."""
+    """usage: python3 recipe.py NAME...        each knob's value, one per line (shell scripts read them so)
+       python3 recipe.py --all          NAME=value of every knob
+       python3 recipe.py --env NAME...  environment knobs, each checked (a bad one exits with its fix)
+       python3 recipe.py --requirements [SANDBOX...]  the job's pip requirements (JOB_REQUIREMENTS and the backends')"""
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\n{__doc__.strip()}", file=sys.stdout if argv else sys.stderr)
+        print(f"{main.__doc__}\n\n{__doc__.strip()}", file=sys.stdout if argv else sys.stderr)
         sys.exit(0 if argv else 2)
     try:
         if argv[0] == "--requirements":
@@ -578,11 +570,6 @@ def main(argv: list[str]) -> None:
     except ConfigError as exc:
         sys.exit(str(exc))
 
-
-USAGE = """usage: python3 recipe.py NAME...        each knob's value, one per line (shell scripts read them so)
-       python3 recipe.py --all          NAME=value of every knob
-       python3 recipe.py --env NAME...  environment knobs, each checked (a bad one exits with its fix)
-       python3 recipe.py --requirements [SANDBOX...]  the job's pip requirements (JOB_REQUIREMENTS and the backends')"""
 
 if __name__ == "__main__":
     main(sys.argv[1:])

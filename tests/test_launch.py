@@ -404,14 +404,14 @@ def test_bundle_file_list_is_the_recipe_include_set(bundle):
     assert launch.bundle_files(bundle) == BUNDLE
 
 
-@pytest.mark.parametrize("mode", sorted(launch.MODES))
-def test_each_mode_checks_for_every_bundle_module_its_scripts_import(mode):
-    """check_bundle's list for a mode holds every bundle module its Python scripts import, lazy imports included:
-    a module missing from a partial bundle would otherwise surface on the job, after the install and the model load."""
+def test_the_bundle_check_holds_every_module_the_jobs_python_scripts_import():
+    """check_bundle's list holds every bundle module the jobs' Python scripts import, lazy imports included: a module
+    missing from a partial bundle would otherwise surface on the job, after the install and the model load."""
     from test_runtime_imports import imported_modules
 
     modules = {p.stem for p in ROOT.glob("*.py")}
-    needed = {launch.MODES[mode]["script"], *launch.MODES[mode]["needs"], *launch.COMMON_FILES}
+    needed = set(launch.JOB_FILES)
+    assert {mode["script"] for mode in launch.MODES.values()} <= needed
     todo, imported = [name for name in needed if name.endswith(".py")], set()
     while todo:
         script = todo.pop()
@@ -822,9 +822,7 @@ def test_the_recipes_own_upload_from_a_set_up_checkout_gives_a_bundle_that_runs(
     checkout = set_up_checkout(tmp_path)
     taken = recipe_upload(checkout)
     assert [name for name in taken if name.startswith(DOT_FOLDERS)] == []
-    needed = {spec["script"] for spec in launch.MODES.values()} | set(launch.COMMON_FILES) | {
-        name for spec in launch.MODES.values() for name in spec["needs"]}
-    assert needed <= set(taken) and {"data/train.json", "data/test.json"} <= set(taken)
+    assert set(launch.JOB_FILES) <= set(taken) and {"data/train.json", "data/test.json"} <= set(taken)
     bundle = tmp_path / "app"  # what the recipe's job command downloads to /app
     for name in taken:
         (bundle / name).parent.mkdir(parents=True, exist_ok=True)
