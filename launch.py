@@ -74,14 +74,6 @@ def check_hub_version(version: str) -> None:
                                  f"and {tomli_w})")
 
 
-def checked_token(env: dict[str, str], stored: Callable[[], str | None]) -> str:
-    """HF_TOKEN from the environment, else the stored login (the Hub's auth-check judges it before the upload)."""
-    token = env.get("HF_TOKEN", "").strip() or (stored() or "").strip()
-    if not token:
-        raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
-    return token
-
-
 def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str, str]:
     """Both repo ids well-formed and distinct; the code repo defaults to the adapter owner's namespace."""
     adapter = recipe.require_repo_id(adapter_repo, "ADAPTER_REPO")
@@ -360,7 +352,9 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     args.dry_run = recipe.knob("DRY_RUN", env) or args.dry_run  # checked even beside --dry-run: a typo is refused
     if not args.dry_run:
         check_hub_version(hub_version)
-    token = checked_token(env, stored_token)
+    token = env.get("HF_TOKEN", "").strip() or (stored_token() or "").strip()  # the Hub's auth-check judges it
+    if not token:
+        raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
     adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
     asked_repo = adapter_repo
     if mode == "smoke" or getattr(args, "smoke", False):
@@ -378,7 +372,8 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         secrets |= recipe.sandbox_keys(sandbox, env)
         job_vars |= {name: env[name].strip() for name in recipe.SANDBOXES[sandbox].get("settings", ())
                      if env.get(name, "").strip()}
-    said = {"notes": told} if (told := notes(mode, job_vars, args, asked_repo) + recipe.sandbox_notes(sandbox)) else {}
+    told = notes(mode, job_vars, args, asked_repo) + ([recipe.E2B_NOTE] if sandbox == "e2b" else [])
+    said = {"notes": told} if told else {}
     # What the job's one pip call installs (`recipe.py --requirements SANDBOX`): the job's pins and the backend's.
     said["install"] = [line for line in recipe.requirements(sandbox).splitlines() if line and not line.startswith("#")]
     timeout = smoke_timeout(mode, args, job_vars)

@@ -369,14 +369,11 @@ def sandbox_keys(sandbox: str, env: Mapping[str, str] | None = None) -> dict[str
     raise ConfigError(f"SANDBOX={sandbox} needs {wanted}: set it (launch.py passes it to the job as a secret)")
 
 
-def sandbox_notes(sandbox: str) -> list[str]:
-    """What a backend's account must allow that the key does not show (one line each)."""
-    if sandbox != "e2b":
-        return []
-    return [f"E2B's Hobby plan runs at most {E2B_HOBBY_CONCURRENCY} sandboxes at once, and this job keeps "
+# What SANDBOX=e2b's account must allow that its key does not show: said by launch.py, not refused.
+E2B_NOTE = (f"E2B's Hobby plan runs at most {E2B_HOBBY_CONCURRENCY} sandboxes at once, and this job keeps "
             f"{MAX_INFLIGHT_ROLLOUTS} rollouts in flight: on Hobby the creates past {E2B_HOBBY_CONCURRENCY} fail as "
-            "rate-limited (unscorable rollouts, and a streak stops the job); use a plan that allows "
-            f"{MAX_INFLIGHT_ROLLOUTS} (docs/sandboxes.md)"]
+            f"rate-limited (unscorable rollouts, and a streak stops the job); use a plan that allows "
+            f"{MAX_INFLIGHT_ROLLOUTS} (docs/sandboxes.md)")
 
 
 # --- Environment knobs --------------------------------------------------------------------------------------------

@@ -147,7 +147,7 @@ def test_a_daytona_or_e2b_launch_passes_its_key_as_a_secret_and_installs_its_ext
     assert {"trl[peft]==1.15.0", f"harbor[{sandbox}]", f"{sandbox}{sdk}"} <= set(plan["install"])  # one pip call
     assert plan["upload"]["files"] == BUNDLE  # the pins are recipe.py's: nothing the recipe's own upload leaves out
     # E2B's Hobby plan is below the recipe's in-flight rollouts: said in one line, not refused (docs/sandboxes.md).
-    assert err == ("" if sandbox == "daytona" else f"launch.py: note: {recipe.sandbox_notes('e2b')[0]}\n")
+    assert err == ("" if sandbox == "daytona" else f"launch.py: note: {recipe.E2B_NOTE}\n")
 
 
 def test_the_default_backend_passes_no_sandbox_setting_and_installs_the_jobs_pins_alone(capsys, bundle):
