@@ -1,6 +1,6 @@
 # shellcheck shell=bash
-# Helpers sourced by run_job.sh, run_eval.sh, run_eval_watch.sh, serve_policy.sh and serve_env.sh: logging, recipe
-# knobs, the job scripts' one preflight, the install step, background processes with log files, cleanup.
+# Sourced by every job and server script: logging, recipe knobs, the job scripts' one preflight, the install step,
+# background processes with log files, cleanup.
 
 HERE="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 # The job's python3 (the image's); from a set-up checkout, its .venv (so dry runs work on any machine).
@@ -14,12 +14,9 @@ die() { printf '[%s] ERROR: %s\n' "$(date -u +%H:%M:%S)" "$*" >&2; exit 1; }
 
 # Every knob of recipe.py, read once when this file is sourced (one Python start per script, not one per knob).
 declare -A RECIPE_KNOBS=()
-load_recipe() {
-  local out line
-  out="$("$PYTHON" "$HERE/recipe.py" --all 2>&1)" \
-    || die "recipe.py did not answer${out:+ ($(tail -n 1 <<<"$out"))}: run from the bundle folder with python3 >= 3.12"
-  while IFS= read -r line; do RECIPE_KNOBS["${line%%=*}"]="${line#*=}"; done <<<"$out"
-}
+RECIPE_ALL="$("$PYTHON" "$HERE/recipe.py" --all 2>&1)" \
+  || die "recipe.py did not answer${RECIPE_ALL:+ ($(tail -n 1 <<<"$RECIPE_ALL"))}: run from the bundle folder with python3 >= 3.12"
+while IFS= read -r RECIPE_LINE; do RECIPE_KNOBS["${RECIPE_LINE%%=*}"]="${RECIPE_LINE#*=}"; done <<<"$RECIPE_ALL"
 
 # recipe NAME...: prints each knob, one per line, as `python3 recipe.py NAME...` does; an unknown name fails.
 recipe() {
@@ -30,29 +27,23 @@ recipe() {
   done
 }
 
-# env_knobs NAME...: sets each environment knob to its value as recipe.KNOBS checks it (the launcher's check too;
-# flags become 1 or 0, unset means the default); a bad one stops here with its fix.
+# env_knobs NAME...: sets each knob to its value as recipe.KNOBS checks it (flags 1 or 0); a bad one dies with its fix.
 env_knobs() {
   local out line
   out="$("$PYTHON" "$HERE/recipe.py" --env "$@" 2>&1)" || die "$(tail -n 1 <<<"$out")"
   while IFS= read -r line; do printf -v "${line%%=*}" '%s' "${line#*=}"; done <<<"$out"
 }
 
-# py_check CODE ARGS...: runs python with the bundle importable; on failure dies with its last line (a ConfigError's
-# message alone).
+# py_check CODE ARGS...: runs python with the bundle importable; a failure dies with its last line (a ConfigError's).
 py_check() {
   local code="$1" out
   shift
-  out="$("$PYTHON" -c "import sys; sys.path.insert(0, sys.argv[1]); $code" "$HERE" "$@" 2>&1)" || {
-    out="$(tail -n 1 <<<"$out")"
-    die "${out#recipe.ConfigError: }"
-  }
-  [ -z "$out" ] || printf '%s\n' "$out"
+  out="$("$PYTHON" -c "import sys; sys.path.insert(0, sys.argv[1]); $code" "$HERE" "$@" 2>&1)" \
+    || { out="$(tail -n 1 <<<"$out")"; die "${out#recipe.ConfigError: }"; }
 }
 
 dry_run() { [ "$DRY_RUN" = "1" ]; }
 
-# show_cmd CMD...: prints a command, shell-quoted.
 show_cmd() { printf '  $'; printf ' %q' "$@"; printf '\n'; }
 
 # do_cmd CMD...: runs a command, or prints it under DRY_RUN=1.
@@ -72,10 +63,12 @@ start_bg() {
 tail_log() { [ -f "$LOG_DIR/$1.log" ] && tail -n "${2:-40}" "$LOG_DIR/$1.log" | sed "s/^/  $1| /" >&2 || true; }
 
 # wait_http NAME URL TIMEOUT_S PID: waits until URL answers 2xx (polling every WAIT_POLL=2 s); fails early if PID dies.
+# Python's client, no proxy (curl may not be in the image; python3 is).
 wait_http() {
-  local name="$1" url="$2" timeout="$3" pid="${4:-}" start=$SECONDS
+  local name="$1" url="$2" timeout="$3" pid="${4:-}" start=$SECONDS get
+  get='import sys, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=5)'
   if dry_run; then echo "  wait for $name at $url (timeout ${timeout}s)"; return 0; fi
-  until curl -fsS -o /dev/null --max-time 5 "$url" 2>/dev/null; do
+  until "$PYTHON" -c "$get" "$url" 2>/dev/null; do
     if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then tail_log "$name"; die "$name exited before it was ready"; fi
     if (( SECONDS - start > timeout )); then tail_log "$name"; die "$name not ready at $url after ${timeout}s"; fi
     sleep "${WAIT_POLL:-2}"
@@ -110,27 +103,22 @@ cleanup() {
   signal_children KILL
 }
 
-# require_gpus INDEX...: fails with one line if nvidia-smi does not list each GPU index (the hint: JOB_FLAVOR).
+# require_gpus INDEX...: fails with one line if nvidia-smi (none: no GPU) does not list each GPU index.
 require_gpus() {
   dry_run && return 0
   local found idx
-  found="$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ' | paste -sd, -)" \
-    || die "nvidia-smi failed: no NVIDIA GPU visible; run on a GPU job${JOB_FLAVOR:+ (flavor $JOB_FLAVOR)} with GPUs $*"
+  found="$(nvidia-smi --query-gpu=index --format=csv,noheader 2>/dev/null | tr -d ' ' | paste -sd, -)" || found=""
   for idx in "$@"; do
     [[ ",$found," == *",$idx,"* ]] \
       || die "GPU $idx not found (nvidia-smi lists: ${found:-none}): ${JOB_FLAVOR:+run on an $JOB_FLAVOR job or }change the GPU index"
   done
 }
 
-# require_sandbox_credentials: SANDBOX is offered and its key set (the launcher's check); its plan's notes to the log.
-require_sandbox_credentials() {
-  env_knobs SANDBOX
-  py_check 'import recipe; recipe.sandbox_keys(sys.argv[2])
-print(*(f"note: {note}" for note in recipe.sandbox_notes(sys.argv[2])), sep="\n", end="")' "$SANDBOX"
-}
+# require_sandbox_credentials: SANDBOX is offered and its key set (the launcher's check too).
+require_sandbox_credentials() { env_knobs SANDBOX; py_check 'import recipe; recipe.sandbox_keys(sys.argv[2])' "$SANDBOX"; }
 
-# step N NAME FUNCTION...: runs FUNCTION and prints one line with what it did ($STEP_NOTE) and how long it took.
-# With STAGES_FILE set (the smoke run), it records "start NAME EPOCH" / "end NAME EPOCH NOTE" for the report.
+# step N NAME FUNCTION...: runs FUNCTION, then one line: what it did ($STEP_NOTE) and how long it took; with
+# STAGES_FILE set (the smoke run), "start NAME EPOCH" / "end NAME EPOCH NOTE" lines for the report.
 STEP_NOTE=""
 step() {
   local n="$1" name="$2" t0=$SECONDS
@@ -149,8 +137,8 @@ record_stage() {
   printf '%s %s %s %s\n' "$1" "$2" "$(date +%s)" "${3:-}" >>"$STAGES_FILE"
 }
 
-# job_knobs NAME...: env_knobs on every job script's knobs and NAME... (run_job.sh's final eval is run_eval.sh: what
-# it would refuse stops the training job before its hours of training); SANDBOX exported for every step.
+# job_knobs NAME...: env_knobs on every job script's knobs (run_job.sh's final eval is run_eval.sh: what it would
+# refuse stops the training job before its hours of training) and NAME...; SANDBOX exported for every step.
 job_knobs() {
   env_knobs DEBUG READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT SANDBOX REPORT_TO DASHBOARD_SPACE EVAL_TASKS \
     EVAL_CONCURRENCY "$@"
@@ -160,65 +148,39 @@ job_knobs() {
 # job_preflight GPU...: every job script's step 0, each failure one line before anything is installed or started:
 # ADAPTER_REPO and HF_TOKEN, the sandbox backend, the job's public host, the GPUs given, the three ports free.
 job_preflight() {
-  local port
+  local port job_id="${JOB_ID:-${HF_JOB_ID:-}}"
   py_check 'import os, recipe
 recipe.require_repo_id(os.environ.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO")
-recipe.require_token()'
-  require_sandbox_credentials
-  resolve_public_host
+recipe.require_token(); recipe.sandbox_keys(os.environ["SANDBOX"])'
+  env_knobs SPACE_HOST  # where sandboxes reach PUBLIC_PORT: given, or the job's own public host
+  [ -n "$SPACE_HOST$job_id" ] || die "cannot derive the job's public host: set SPACE_HOST=<job-id>--$PUBLIC_PORT.hf.jobs or JOB_ID=<job-id> (HF_JOB_ID is read too)"
+  PUBLIC_HOSTNAME="${SPACE_HOST:-$job_id--$PUBLIC_PORT.hf.jobs}"
+  # shellcheck disable=SC2034  # read by the sourcing script
+  CAPTURE_URL="https://$PUBLIC_HOSTNAME/capture"
   require_gpus "$@"
   for port in "$POLICY_PORT" "$ENV_PORT" "$PUBLIC_PORT"; do port_free "$port"; done
 }
 
-# resolve_public_host: sets PUBLIC_HOSTNAME (where sandboxes reach PUBLIC_PORT) and CAPTURE_URL, or dies naming
-# the variables to set.
-resolve_public_host() {
-  local job_id="${JOB_ID:-${HF_JOB_ID:-}}"
-  env_knobs SPACE_HOST
-  if [ -n "$SPACE_HOST" ]; then
-    PUBLIC_HOSTNAME="$SPACE_HOST"
-  elif [ -n "$job_id" ]; then
-    [[ "$job_id" =~ ^[A-Za-z0-9-]+$ ]] || die "JOB_ID=$job_id is not a job id (letters, digits, -)"
-    PUBLIC_HOSTNAME="$job_id--$PUBLIC_PORT.hf.jobs"
-  else
-    die "cannot derive the job's public host: set SPACE_HOST=<job-id>--$PUBLIC_PORT.hf.jobs or JOB_ID=<job-id> (HF_JOB_ID is read too)"
-  fi
-  # shellcheck disable=SC2034  # read by the sourcing script
-  CAPTURE_URL="https://$PUBLIC_HOSTNAME/capture"
-}
-
-# install_stack: the job's pins and SANDBOX's (recipe.py --requirements) in one pip call beside the image's vLLM:
-# image_check.py's constraints hold vllm and torch at the image's versions (refusing an image without
-# vllm==VLLM_VERSION) and every requirement vLLM declares in its range, transformers goes in --no-deps; then `pip
-# check` clean but for recipe.PIP_CHECK_ACCEPTED, and vLLM's API server importable: all before any GPU work.
+# install_stack: the job's pins and SANDBOX's (recipe.py --requirements) in one pip call beside the image's vLLM, held
+# by image_check.py's constraints (transformers in --no-deps); then `pip check` and vLLM's API server import.
 install_stack() {
-  local pins tf_pin held report
-  pins="$("$PYTHON" "$HERE/recipe.py" --requirements "$SANDBOX")" || die "recipe.py did not print the job's pins"
-  tf_pin="$(grep -E '^transformers==' <<<"$pins")" || die "recipe.py JOB_REQUIREMENTS has no transformers== pin"
-  local -a tools=()
-  command -v git >/dev/null 2>&1 || tools+=(git)
-  command -v curl >/dev/null 2>&1 || tools+=(curl)  # wait_http needs it
+  local pins tf_pin report
+  pins="$("$PYTHON" "$HERE/recipe.py" --requirements "$SANDBOX")"
+  tf_pin="$(grep -E '^transformers==' <<<"$pins")"
   if dry_run; then
     echo "  install (recipe.py --requirements $SANDBOX): $(grep -vE '^(#|$)' <<<"$pins" | paste -sd' ')"
-    echo "  held by $WORK_DIR/constraints.txt (image_check.py; an image without vllm==$(recipe VLLM_VERSION) is refused):" \
-      "$tf_pin, vllm and torch at the image's versions, vLLM's own ranges"
-    echo "  (only the missing ones of git, curl)"; tools=(git curl)
-    held="the image's vllm and torch"
+    echo "  held by image_check.py (an image without vllm==$(recipe VLLM_VERSION) is refused): $tf_pin, vllm and" \
+      "torch at the image's versions, vLLM's own ranges; then pip check (less recipe.PIP_CHECK_ACCEPTED), import vLLM"
   else
     mkdir -p "$WORK_DIR"
     report="$("$PYTHON" "$HERE/image_check.py" constraints "$tf_pin" 2>&1)" || die "$(tail -n 1 <<<"$report")"
     printf '%s\n' "$report" >"$WORK_DIR/constraints.txt"
     grep -vE '^transformers' <<<"$pins" >"$WORK_DIR/requirements-rest.txt"
-    held="$(grep -E '^(vllm|torch)==' <<<"$report" | paste -sd' ')"
-  fi
-  if [ "${#tools[@]}" -gt 0 ]; then
-    do_cmd apt-get update -qq
-    do_cmd apt-get install -y -qq --no-install-recommends "${tools[@]}"
+    STEP_NOTE="pinned stack installed, holding $(grep -E '^(vllm|torch)==' <<<"$report" | paste -sd' ')"
   fi
   do_cmd "$PYTHON" -m pip install -q --no-deps "$tf_pin"
   do_cmd "$PYTHON" -m pip install -q -c "$WORK_DIR/constraints.txt" -r "$WORK_DIR/requirements-rest.txt"
-  STEP_NOTE="pinned stack installed, holding $held"
-  if dry_run; then STEP_NOTE+="; then pip check (less recipe.PIP_CHECK_ACCEPTED), import vLLM's API server"; return 0; fi
+  dry_run && return 0
   report="$("$PYTHON" -m pip check 2>&1)" || true  # non-zero when it finds breaks: image_check.py judges them
   report="$(printf '%s\n' "$report" | "$PYTHON" "$HERE/image_check.py" pip-check 2>&1)" || die "$(tail -n 1 <<<"$report")"
   report="$("$PYTHON" -c 'import vllm.entrypoints.openai.api_server' 2>&1)" \
@@ -232,10 +194,8 @@ on_exit() {
   local rc=$? hook_rc=0
   trap - EXIT
   cleanup
-  if [ -n "${REPORT_HOOK:-}" ]; then
-    "$REPORT_HOOK" || hook_rc=$?
-    [ "$rc" -ne 0 ] || rc="$hook_rc"
-  fi
+  [ -z "${REPORT_HOOK:-}" ] || "$REPORT_HOOK" || hook_rc=$?
+  [ "$rc" -ne 0 ] || rc="$hook_rc"
   if [ "$rc" -ne 0 ]; then log "$(basename "$0" .sh): FAILED (exit $rc)$([ ! -d "$LOG_DIR" ] || echo "; logs in $LOG_DIR")"; fi
   exit "$rc"
 }
@@ -249,5 +209,4 @@ begin_job() {
   if dry_run; then log "DRY_RUN=1: printing the plan; nothing is installed or started"; fi
 }
 
-load_recipe
 env_knobs DRY_RUN

@@ -1,15 +1,11 @@
-"""The job's install step in the vLLM image: what to hold, and whether vLLM survived it (run by common.sh).
-
-pip resolves only what it is asked to install, so without constraints it would move packages vLLM needs out of
-vLLM's own ranges; `pip check` then judges the result, less the breaks recipe.PIP_CHECK_ACCEPTED lists.
-"""
+"""The job's install step in the vLLM image (common.sh): pip, which resolves only what it is asked to install, held to
+vLLM's own ranges; then `pip check` judged."""
 
 from __future__ import annotations
 
 import re
 import sys
 from importlib import metadata
-from typing import NamedTuple
 
 import recipe
 
@@ -18,79 +14,61 @@ _CONFLICT = re.compile(r"^(?P<pkg>\S+) \S+ has requirement .+, but you have (?P<
 _MISSING = re.compile(r"^(?P<pkg>\S+) \S+ requires (?P<dep>\S+?),? which is not installed\.$")
 
 
-class Break(NamedTuple):
-    """One broken requirement: `package` needs `dependency` and does not have a fitting version."""
-
-    package: str
-    dependency: str
-    line: str
-
-
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def parse_pip_check(report: str) -> list[Break]:
-    """The broken requirements in `pip check`'s output; an unknown non-empty line is a break of its own."""
-    breaks = []
+def breaks(report: str) -> list[tuple[str, str, str]]:
+    """(package, dependency, line) of each break in `pip check`'s output but recipe.PIP_CHECK_ACCEPTED's; a line pip
+    never prints is a break of its own, ("?", "?")."""
+    skip = {(_norm(pkg), _norm(dep)) for pkg, dep in recipe.PIP_CHECK_ACCEPTED}
+    found = []
     for line in map(str.strip, report.splitlines()):
         if not line or line == "No broken requirements found." or line.startswith("WARNING:"):
             continue
         match = _CONFLICT.match(line) or _MISSING.match(line)
-        if match is None:
-            breaks.append(Break("?", "?", line))
-        else:
-            dep = re.split(r"[<>=!~;\[ ]", match["dep"], maxsplit=1)[0]
-            breaks.append(Break(_norm(match["pkg"]), _norm(dep), line))
-    return breaks
-
-
-def unaccepted(breaks: list[Break]) -> list[Break]:
-    """The breaks not listed (with their evidence) in recipe.PIP_CHECK_ACCEPTED."""
-    accepted = {(_norm(pkg), _norm(dep)) for pkg, dep in recipe.PIP_CHECK_ACCEPTED}
-    return [b for b in breaks if (b.package, b.dependency) not in accepted]
-
-
-def _installed(name: str, path: list[str] | None = None) -> metadata.Distribution | None:
-    return next(iter(metadata.distributions(name=name, path=path if path is not None else sys.path)), None)
+        pair = ("?", "?")
+        if match:
+            pair = (_norm(match["pkg"]), _norm(re.split(r"[<>=!~;\[ ]", match["dep"], maxsplit=1)[0]))
+        if pair not in skip:
+            found.append((*pair, line))
+    return found
 
 
 def vllm_constraints(transformers_pin: str, path: list[str] | None = None) -> list[str]:
-    """Constraint lines for the install step: vllm and torch at the installed versions, every requirement vLLM
-    declares in its own range (less the accepted breaks); `path` is where to look (default: this interpreter's). An
-    image without vllm==VLLM_VERSION (a local build suffix allowed) exits here, before anything is installed."""
+    """The install step's constraints: vllm and torch as installed (in `path`, default this interpreter's), vLLM's
+    requirements in its own ranges but the accepted breaks. An image without vllm==VLLM_VERSION exits here."""
     from packaging.requirements import Requirement
     from packaging.version import Version
 
-    vllm = _installed("vllm", path)
+    path = sys.path if path is None else path
+    vllm, torch = (next(iter(metadata.distributions(name=name, path=path)), None) for name in ("vllm", "torch"))
     if vllm is None or Version(vllm.version).base_version != recipe.VLLM_VERSION:
         found = f"vllm {vllm.version} is installed" if vllm else "vllm is not installed"
         sys.exit(f"{found}, the recipe needs vllm=={recipe.VLLM_VERSION}: run in the {recipe.VLLM_IMAGE} image")
-    lines = [transformers_pin, f"vllm=={vllm.version}"]
-    if (torch := _installed("torch", path)) is not None:
-        lines.append(f"torch=={torch.version}")
+    lines = [transformers_pin, f"vllm=={vllm.version}", *([f"torch=={torch.version}"] if torch else [])]
     skip = {"torch", "transformers", "vllm"} | {_norm(d) for p, d in recipe.PIP_CHECK_ACCEPTED if _norm(p) == "vllm"}
     for req in map(Requirement, vllm.requires or []):
-        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
-            continue
-        if _norm(req.name) not in skip and str(req.specifier):
+        applies = req.marker is None or req.marker.evaluate({"extra": ""})
+        if applies and _norm(req.name) not in skip and str(req.specifier):
             lines.append(f"{_norm(req.name)}{req.specifier}")
     return lines
 
 
-def main(argv: list[str]) -> int:
+def main(argv: list[str]) -> None:
     if argv[:1] == ["constraints"] and len(argv) == 2:
         print("\n".join(vllm_constraints(argv[1])))
     elif argv == ["pip-check"]:
-        if left := unaccepted(parse_pip_check(sys.stdin.read())):
-            sys.exit(f"the install step broke a requirement: {left[0].line} (pin it in recipe.JOB_REQUIREMENTS, or "
-                     f"list ({left[0].package!r}, {left[0].dependency!r}) in recipe.PIP_CHECK_ACCEPTED with the "
-                     "evidence that our path does not need it)")
+        if left := breaks(sys.stdin.read()):
+            package, dependency, line = left[0]
+            sandbox = recipe.knob("SANDBOX")
+            pins = f" or recipe.SANDBOXES[{sandbox!r}]" if recipe.SANDBOXES[sandbox]["requirements"] else ","
+            sys.exit(f"the install step broke a requirement: {line} (pin it in recipe.JOB_REQUIREMENTS{pins} or list "
+                     f"({package!r}, {dependency!r}) in recipe.PIP_CHECK_ACCEPTED with the evidence that our path "
+                     "does not need it)")
     else:
-        sys.exit("usage: python3 image_check.py constraints TRANSFORMERS_PIN | pip-check (pip check's "
-                 "report on stdin)")
-    return 0
+        sys.exit("usage: python3 image_check.py constraints TRANSFORMERS_PIN | pip-check (pip check's report on stdin)")
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    main(sys.argv[1:])

@@ -4,18 +4,12 @@
 # ///
 """Upload the code bundle and start one of the recipe's Hugging Face Jobs: train, smoke, eval-watch or eval.
 
-    export ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL
-    uv run launch.py smoke                                # the recipe's MAX_STEPS=20 smoke test, every stage: first
-    uv run launch.py eval-watch --smoke                   # the watcher's hot-load path on the smoke run's checkpoints
-    uv run launch.py train                                # MAX_STEPS=1000 on h200x2, 72 h cap
-    uv run launch.py eval-watch                           # live learning curve on h200, 48 h cap
-    uv run launch.py eval --checkpoint checkpoint-300     # standalone base-vs-adapter eval on h200
-    .venv/bin/python launch.py train --dry-run            # prints the job spec and the upload list, touches nothing
+    ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL uv run launch.py smoke   # first; then train, eval-watch, eval
+    .venv/bin/python launch.py train --dry-run    # prints the job spec and the upload list, touches nothing
 
 `uv run` reads the inline metadata above: run_job(expose_public=...) needs huggingface_hub>=2.1.1, which the training
-stack's pins exclude. Every check runs before anything is uploaded or started, each failure one line with its fix; a
-train of fewer steps than the recipe's goes to <ADAPTER_REPO>-<N>steps. The token (HF_TOKEN, or the stored `hf auth
-login` one) is never printed.
+stack's pins exclude. Every check runs before anything is uploaded or started, each failure one line with its fix. The
+token (HF_TOKEN, or the stored `hf auth login` one) is never printed.
 """
 
 from __future__ import annotations
@@ -23,29 +17,16 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import shlex
 import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import adapter_repo as ar
 import dashboard
 import recipe
 import smoke_report
-from adapter_repo import (
-    FINAL,
-    SMOKE_SUFFIX,
-    TRAIN_SCRIPT,
-    checkpoint_complete,
-    checkpoint_name,
-    commit,
-    complete_checkpoints,
-    live_jobs,
-    refuse_fresh_start,
-    report_failure,
-    require_write_access,
-)
 
 HERE = Path(__file__).resolve().parent
 PROJECT = "lfm-opencode-lora-rl"
@@ -53,24 +34,23 @@ CODE_REPO_NAME = f"{PROJECT}-code"
 APP_DIR = "/app"
 # The recipe's own upload patterns (`hf upload --include`); Path.glob's * stays within one folder.
 BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
-# Files every job needs besides its entry script and the mode's own (MODES).
-COMMON_FILES = ("recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py",
-                "harbor_sessions.py", "adapter_repo.py", "serve_policy.sh", "chat_template.py", "serve_env.sh",
-                "seam_patch.py", "capture_gateway.py", "dashboard.py", "sandbox_lifecycle.py", "trajectories.py")
-TRAIN_FILES = ("train_lora.py", "train_callbacks.py", "train_weight_sync.py", "train_rollouts.py", "train_metrics.py",
-               "model_cards.py", "train_resume.py")
-MODES: dict[str, dict[str, Any]] = {
-    "train": {"script": TRAIN_SCRIPT, "needs": TRAIN_FILES, "flavor": recipe.TRAIN_FLAVOR,
-              "timeout": recipe.TRAIN_TIMEOUT},
-    "smoke": {"script": TRAIN_SCRIPT, "needs": (*TRAIN_FILES, "smoke_report.py"), "flavor": recipe.TRAIN_FLAVOR,
-              "timeout": None},  # the smoke plan's cap (smoke_timeout)
-    "eval-watch": {"script": "run_eval_watch.sh", "needs": ("eval_watch.py",), "flavor": recipe.EVAL_FLAVOR,
-                   "timeout": recipe.EVAL_WATCH_TIMEOUT},
-    "eval": {"script": "run_eval.sh", "needs": (), "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_TIMEOUT},
+# The jobs' scripts and every module they import: a bundle that lacks one is a partial checkout.
+JOB_FILES = ("run_job.sh", "run_eval.sh", "run_eval_watch.sh", "recipe.py", "common.sh", "image_check.py",
+             "prepare_tasks.py", "eval_adapter.py", "eval_watch.py", "harbor_sessions.py", "adapter_repo.py",
+             "serve_policy.sh", "chat_template.py", "serve_env.sh", "seam_patch.py", "capture_gateway.py",
+             "dashboard.py", "sandbox_lifecycle.py", "trajectories.py", "train_lora.py", "train_callbacks.py",
+             "train_weight_sync.py", "train_rollouts.py", "train_metrics.py", "model_cards.py", "train_resume.py",
+             "smoke_report.py")
+MODES: dict[str, dict[str, Any]] = {  # a smoke's timeout is its plan's cap (smoke_timeout)
+    "train": {"script": ar.TRAIN_SCRIPT, "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
+    "smoke": {"script": ar.TRAIN_SCRIPT, "flavor": recipe.TRAIN_FLAVOR, "timeout": None},
+    "eval-watch": {"script": "run_eval_watch.sh", "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
+    "eval": {"script": "run_eval.sh", "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_TIMEOUT},
 }
-# The knobs each mode passes to its job when given (flag or environment), checked as the job checks them (recipe.KNOBS);
-# the smoke plan fixes SAVE_STEPS, RESUME and FINAL_EVAL.
+# The knobs each mode (every mode: "all") passes to its job when given (flag or environment), checked as the job checks
+# them (recipe.KNOBS); the smoke plan fixes SAVE_STEPS, RESUME and FINAL_EVAL.
 JOB_KNOBS: dict[str, tuple[str, ...]] = {
+    "all": ("SANDBOX", "REPORT_TO", "DASHBOARD_SPACE"),
     "train": ("SAVE_STEPS", "RESUME", "WEIGHT_SYNC", "STALL_MINUTES", "FINAL_EVAL", "LEARNING_RATE", "MAX_STALENESS"),
     "smoke": ("WEIGHT_SYNC", "STALL_MINUTES", "LEARNING_RATE", "MAX_STALENESS"),
     "eval-watch": ("MAX_IDLE_HOURS", "EVAL_CONCURRENCY"),
@@ -80,7 +60,6 @@ REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
 PENDING_REVISION = "<commit of the uploaded bundle>"
 HF_CLI = "uvx hf"  # the Hub's CLI with nothing but uv
-_TOKEN = re.compile(r"^hf_[A-Za-z0-9]{30,}$")
 
 
 # --- preflight: each check raises ConfigError with the fix ---------------------------------------------------------
@@ -95,17 +74,6 @@ def check_hub_version(version: str) -> None:
                                  f"and {tomli_w})")
 
 
-def checked_token(env: dict[str, str], stored: Callable[[], str | None]) -> str:
-    """HF_TOKEN from the environment, else the stored login; it must look like a user access token."""
-    token = env.get("HF_TOKEN", "").strip() or (stored() or "").strip()
-    if not token:
-        raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
-    if not _TOKEN.match(token):
-        raise recipe.ConfigError("HF_TOKEN does not look like a Hugging Face access token (expected hf_ followed by "
-                                 "30+ letters/digits): copy a write token from https://huggingface.co/settings/tokens")
-    return token
-
-
 def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str, str]:
     """Both repo ids well-formed and distinct; the code repo defaults to the adapter owner's namespace."""
     adapter = recipe.require_repo_id(adapter_repo, "ADAPTER_REPO")
@@ -116,8 +84,7 @@ def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str,
 
 
 def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
-    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's): its final adapter must not land in the
-    full run's repo, where the eval watcher stops at it and a full train is refused."""
+    """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's), away from the full run's watcher."""
     try:
         return recipe.require_repo_id(f"{adapter_repo}{suffix}", "ADAPTER_REPO")
     except recipe.ConfigError:
@@ -132,8 +99,8 @@ def bundle_files(bundle: Path) -> list[str]:
                    if p.is_file()})
 
 
-def check_bundle(bundle: Path, mode: str) -> list[str]:
-    """The bundle's files, every one the chosen job runs among them, and its task lists as prepare_tasks.py checks
+def check_bundle(bundle: Path) -> list[str]:
+    """The bundle's files, every one a job runs among them (JOB_FILES), and its task lists as prepare_tasks.py checks
     them (400 medium + 600 hard, 250 test)."""
     import prepare_tasks
 
@@ -143,7 +110,7 @@ def check_bundle(bundle: Path, mode: str) -> list[str]:
     lists = {split: prepare_tasks.load_list(bundle / "data", split) for split in prepare_tasks.SPLITS}
     prepare_tasks.check_lists(lists)
     files = bundle_files(bundle)
-    if missing := sorted({MODES[mode]["script"], *MODES[mode]["needs"], *COMMON_FILES} - set(files)):
+    if missing := sorted(set(JOB_FILES) - set(files)):
         raise recipe.ConfigError(f"the bundle in {bundle} lacks {', '.join(missing)}: run launch.py from a full "
                                  f"checkout of {PROJECT} (or pass --bundle-dir)")
     return files
@@ -160,22 +127,22 @@ def check_adapter_repo(api: Any, mode: str, adapter_repo: str, checkpoint: str |
         files = set(api.list_repo_files(adapter_repo))
     except RepositoryNotFoundError:
         files = set()
-    if mode == "train" and checkpoint_complete(files, FINAL):
+    if mode == "train" and ar.checkpoint_complete(files, ar.FINAL):
         raise recipe.ConfigError(f"{adapter_repo} already holds a final adapter (a finished run): evaluate it with "
                                  f"`uv run launch.py eval --adapter-repo {adapter_repo}`, or train into a new "
                                  "ADAPTER_REPO")
     if mode == "train" and not resume:
-        refuse_fresh_start(adapter_repo, files)
-    if mode == "eval" and not checkpoint_complete(files, checkpoint):
-        have = ", ".join(checkpoint_name(n) for n in complete_checkpoints(files)[-5:]) or "no complete checkpoints yet"
-        raise recipe.ConfigError(f"{adapter_repo} has no {checkpoint!r} adapter: pick one it has ({have}) "
-                                 "with --checkpoint")
+        ar.refuse_fresh_start(adapter_repo, files)
+    if mode == "eval" and not ar.checkpoint_complete(files, checkpoint):
+        have = ", ".join(ar.checkpoint_name(n) for n in ar.complete_checkpoints(files)[-5:])
+        raise recipe.ConfigError(f"{adapter_repo} has no {checkpoint!r} adapter: pick one it has "
+                                 f"({have or 'no complete checkpoints yet'}) with --checkpoint")
 
 
 def check_no_live_job(api: Any, mode: str, adapter_repo: str, job_vars: dict[str, str]) -> None:
     """One job per repo and script (and checkpoint, for an eval): a second one would write the same files."""
     script = MODES[mode]["script"]
-    for job in live_jobs(api, adapter_repo, script):
+    for job in ar.live_jobs(api, adapter_repo, script):
         if mode == "eval" and (job.environment or {}).get("CHECKPOINT") != job_vars["CHECKPOINT"]:
             continue
         raise recipe.ConfigError(
@@ -184,46 +151,32 @@ def check_no_live_job(api: Any, mode: str, adapter_repo: str, job_vars: dict[str
             "(training resumes from its last checkpoint)")
 
 
-def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str) -> None:
+def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str, job_vars: dict[str, str]) -> list[str]:
     """The token may write both repos (the Hub's own auth-check) before anything is uploaded or started: the job
     would find a read-only ADAPTER_REPO only after install, tasks and servers. Training creates its repo as its job
-    would; an eval watcher's repo that does not exist yet is its training job's to create (watch_notes)."""
+    would; an eval watcher's repo that does not exist yet is its training job's to create: a note says so."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
-    require_write_access(api, code_repo)
-    if mode not in ("train", "smoke"):
+    ar.require_write_access(api, code_repo)
+    if mode not in ("train", "smoke"):  # an eval's repo exists: check_adapter_repo found its checkpoint
         try:
             api.repo_info(adapter_repo)
         except RepositoryNotFoundError:
-            return
-    require_write_access(api, adapter_repo)
-
-
-def watch_notes(api: Any, adapter_repo: str, job_vars: dict[str, str]) -> list[str]:
-    """What an eval watcher will do on a repo that does not exist yet (usually: its training job has not created it)."""
-    from huggingface_hub.errors import RepositoryNotFoundError
-
-    try:
-        api.repo_info(adapter_repo)
-        return []
-    except RepositoryNotFoundError:
-        hours = recipe.shell_value(recipe.knob("MAX_IDLE_HOURS", job_vars))
-    return [f"{adapter_repo} does not exist yet: the watcher waits for a job to create it, checking every "
-            f"{recipe.EVAL_POLL_SECONDS // 60} min, and fails after MAX_IDLE_HOURS={hours} h (the GPU is billed "
-            "meanwhile); launch the training job for this repo too (it creates the repo when it starts), or fix the "
-            "name and relaunch"]
+            hours = recipe.shell_value(recipe.knob("MAX_IDLE_HOURS", job_vars))
+            return [f"{adapter_repo} does not exist yet: the watcher waits for a job to create it, checking every "
+                    f"{recipe.EVAL_POLL_SECONDS // 60} min, and fails after MAX_IDLE_HOURS={hours} h (the GPU is "
+                    "billed meanwhile); launch the training job for this repo too (it creates the repo when it "
+                    "starts), or fix the name and relaunch"]
+    ar.require_write_access(api, adapter_repo)
+    return []
 
 
 # --- the job spec ---------------------------------------------------------------------------------------------------
 def job_command(code_repo: str, revision: str, script: str) -> list[str]:
     """Download exactly the uploaded bundle commit to /app and run one script (the image has python3, no git)."""
     hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
-    steps = [
-        f"pip -q install {shlex.quote(hub)}",
-        f"hf download {shlex.quote(code_repo)} --revision {shlex.quote(revision)} --local-dir {APP_DIR}",
-        f"bash {APP_DIR}/{script}",
-    ]
-    return ["bash", "-c", " && ".join(steps)]
+    return ["bash", "-c", f"pip -q install {shlex.quote(hub)} && hf download {shlex.quote(code_repo)} --revision "
+                          f"{shlex.quote(revision)} --local-dir {APP_DIR} && bash {APP_DIR}/{script}"]
 
 
 def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
@@ -244,10 +197,7 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
             job["MAX_IDLE_HOURS"] = recipe.shell_value(smoke_report.plan()["cap_s"] / 3600)
     else:
         job["CHECKPOINT"] = recipe.knob("CHECKPOINT", env, args.checkpoint)
-    job["REPORT_TO"] = args.report_to
-    if args.dashboard_space != recipe.DASHBOARD_SPACE:
-        job["DASHBOARD_SPACE"] = args.dashboard_space
-    for name in JOB_KNOBS[mode]:
+    for name in (*JOB_KNOBS["all"], *JOB_KNOBS[mode]):
         given = getattr(args, name.lower())
         if raw := str(given if given is not None else env.get(name, "")).strip():
             job[name] = raw
@@ -282,7 +232,7 @@ def cost(mode: str, job: dict[str, str], timeout: str) -> dict[str, Any]:
         recipe.TYPICAL_ROLLOUT_MINUTES
     sandboxes = recipe.MAX_INFLIGHT_ROLLOUTS if gpus == 2 else recipe.knob("EVAL_CONCURRENCY", job)
     plan = smoke_report.plan(int(job.get("MAX_STEPS") or recipe.SMOKE_STEPS)) if job["ADAPTER_REPO"].endswith(
-        SMOKE_SUFFIX) else None
+        ar.SMOKE_SUFFIX) else None
     steps = plan["steps"] if plan else int(job.get("MAX_STEPS") or recipe.MAX_STEPS)
     def span(low: float, high: float) -> str:
         return "-".join(dict.fromkeys((f"{low:.3g}", f"{high:.3g}")))
@@ -323,24 +273,17 @@ def smoke_timeout(mode: str, args: argparse.Namespace, job: dict[str, str]) -> s
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
              timeout: str | None = None) -> dict[str, Any]:
     """The keyword arguments of `run_job` (every job runs OpenCode in remote sandboxes: all expose /capture)."""
-    return {
-        "image": recipe.VLLM_IMAGE,
-        "command": job_command(code_repo, revision, MODES[mode]["script"]),
-        "flavor": MODES[mode]["flavor"],
-        "timeout": timeout or MODES[mode]["timeout"],
-        "env": env,
-        "secrets": secrets,
-        "expose_public": [recipe.PUBLIC_PORT],
-        "name": f"{PROJECT}-{mode}",
-    }
+    return {"image": recipe.VLLM_IMAGE, "command": job_command(code_repo, revision, MODES[mode]["script"]),
+            "flavor": MODES[mode]["flavor"], "timeout": timeout or MODES[mode]["timeout"], "env": env,
+            "secrets": secrets, "expose_public": [recipe.PUBLIC_PORT], "name": f"{PROJECT}-{mode}"}
 
 
-def dashboard_info(args: argparse.Namespace, adapter_repo: str, owner: str) -> dict[str, str] | None:
+def dashboard_info(job: dict[str, str], owner: str) -> dict[str, str] | None:
     """Where the run's Trackio dashboard will be: a private Space under the token's owner, or local logs."""
-    if args.report_to != "trackio":
+    if recipe.knob("REPORT_TO", job) != "trackio":
         return None
-    info = {"project": dashboard.project(adapter_repo)}
-    space = dashboard.space({"DASHBOARD_SPACE": args.dashboard_space})
+    info = {"project": dashboard.project(job["ADAPTER_REPO"])}
+    space = dashboard.space(job)
     if space:
         info["url"] = dashboard.SPACE_URL.format(dashboard.space_id(space, owner))
     else:
@@ -348,41 +291,18 @@ def dashboard_info(args: argparse.Namespace, adapter_repo: str, owner: str) -> d
     return info
 
 
-def token_owner(api: Any) -> str:
-    """The token's user name (the dashboard Space's owner); a failed lookup only blurs the printed URL."""
-    try:
-        return api.whoami()["name"]
-    except Exception:  # noqa: BLE001 - the job resolves the owner itself; the launch goes on
-        return TOKEN_OWNER
-
-
 def redacted(spec: dict[str, Any]) -> dict[str, Any]:
     """The spec with every secret value replaced, safe to print."""
     return {**spec, "secrets": dict.fromkeys(spec["secrets"], REDACTED)}
 
 
-def follow_lines(job: Any) -> list[str]:
-    """What a user needs after the launch: the job, its page, the public capture URL, the log command."""
-    return [
-        f"job id:       {job.id}",
-        f"job page:     {job.url}",
-        f"capture URL:  https://{job.id}--{recipe.PUBLIC_PORT}.hf.jobs/capture",
-        f"follow logs:  {HF_CLI} jobs logs -f {job.id}",
-        f"stop it:      {HF_CLI} jobs cancel {job.id}",
-    ]
-
-
 # --- upload + launch -------------------------------------------------------------------------------------
-def upload_bundle(api: Any, code_repo: str, bundle: Path, files: list[str]) -> str:
-    """Commit exactly `files` to the code repo (check_write_access made it) in one commit; return that commit's id
-    for the job to pin.
-
-    The id is the commit's own (`CommitInfo.oid`), not the head read afterwards: another launch may commit between.
-    """
-    from huggingface_hub import CommitOperationAdd
-
-    ops = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(bundle / name)) for name in files]
-    return commit(api, code_repo, ops, f"{PROJECT} code bundle (launch.py)")
+def knob_flag(parser: argparse.ArgumentParser, name: str) -> None:
+    """--name for the job knob NAME, passed to the job when given (flag or environment)."""
+    spec = recipe.KNOBS[name]
+    offered = f"; or {', '.join(spec.kind[1:])}" if isinstance(spec.kind, tuple) else ""
+    parser.add_argument(f"--{name.lower().replace('_', '-')}", dest=name.lower(), help=f"passed to the job as {name} "
+                        f"(env {name}; unset: the job's default, {recipe.shell_value(spec.default)}{offered})")
 
 
 def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespace:
@@ -392,42 +312,31 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
                         help="repo the adapter and checkpoints are pushed to (env ADAPTER_REPO, required)")
     common.add_argument("--code-repo", default=env.get("CODE_REPO"),
                         help=f"repo the code bundle is uploaded to (env CODE_REPO; default <owner>/{CODE_REPO_NAME})")
-    common.add_argument("--sandbox", default=env.get("SANDBOX", recipe.SANDBOX),
-                        help=f"task sandbox backend (env SANDBOX): {', '.join(recipe.SANDBOXES)} (default "
-                             f"{recipe.SANDBOX}); daytona and e2b need their key, passed as a job secret")
-    common.add_argument("--report-to", default=env.get("REPORT_TO", recipe.REPORT_TO),
-                        help=f"training/eval dashboard: {', '.join(recipe.REPORTERS)} (env REPORT_TO, default "
-                             f"{recipe.REPORT_TO})")
-    common.add_argument("--dashboard-space", default=env.get("DASHBOARD_SPACE", recipe.DASHBOARD_SPACE),
-                        help=f"Trackio Space, private, under the token's owner; {dashboard.LOCAL} = no Space (env "
-                             f"DASHBOARD_SPACE, default {recipe.DASHBOARD_SPACE})")
     common.add_argument("--bundle-dir", type=Path, default=Path(env.get("BUNDLE_DIR", HERE)),
                         help="checkout to upload (env BUNDLE_DIR, default this script's folder)")
-    common.add_argument("--dry-run", action="store_true",
-                        help="print the job spec and the files to upload as JSON; touch nothing remote "
-                             "(env DRY_RUN=1, or true/yes/on)")
+    common.add_argument("--dry-run", action="store_true", help="print the job spec and the files to upload as JSON; "
+                        "touch nothing remote (env DRY_RUN=1, or true/yes/on)")
+    for name in JOB_KNOBS["all"]:
+        knob_flag(common, name)
     parser = argparse.ArgumentParser(prog="launch.py", description=__doc__.split("\n\n")[0])
     sub = parser.add_subparsers(dest="mode", required=True)
     train = sub.add_parser("train", parents=[common], help=f"full training run ({recipe.TRAIN_FLAVOR})")
     train.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default {recipe.MAX_STEPS})")
     smoke = sub.add_parser("smoke", parents=[common], help=f"the recipe's smoke test: every stage at small scale "
                            f"({recipe.SMOKE_STEPS} steps, a resume, an eval subset, a go/no-go report) into "
-                           f"<ADAPTER_REPO>{SMOKE_SUFFIX}: do this first")
+                           f"<ADAPTER_REPO>{ar.SMOKE_SUFFIX}: do this first")
     smoke.add_argument("--max-steps", help=f"optimizer steps (env MAX_STEPS, default and most {recipe.SMOKE_STEPS}, "
                                            f"least {recipe.SMOKE_MIN_STEPS}); the cap follows from the plan")
     watch = sub.add_parser("eval-watch", parents=[common], help="per-checkpoint eval worker (live learning curve)")
     watch.add_argument("--n-tasks", help=f"fixed test subset size (env N_TASKS, default {recipe.EVAL_WATCH_TASKS})")
     watch.add_argument("--smoke", action="store_true",
-                       help=f"watch the smoke run's repo (<ADAPTER_REPO>{SMOKE_SUFFIX}) on {recipe.SMOKE_WATCH_TASKS} "
-                            f"tasks; launch it next to `smoke` (cap: the smoke's plus "
-                            f"{recipe.SMOKE_WATCH_EXTRA_S // 60} min)")
+                       help=f"watch the smoke run's repo (<ADAPTER_REPO>{ar.SMOKE_SUFFIX}) on "
+                            f"{recipe.SMOKE_WATCH_TASKS} tasks; launch it next to `smoke`")
     evaluate = sub.add_parser("eval", parents=[common], help="standalone base-vs-adapter eval of one checkpoint")
     evaluate.add_argument("--checkpoint", help="checkpoint-N or final (env CHECKPOINT, default final)")
     for mode, sub_parser in (("train", train), ("smoke", smoke), ("eval-watch", watch), ("eval", evaluate)):
         for name in JOB_KNOBS[mode]:
-            sub_parser.add_argument(f"--{name.lower().replace('_', '-')}", dest=name.lower(),
-                                    help=f"passed to the job as {name} (env {name}; unset: the job's default, "
-                                         f"{recipe.shell_value(recipe.KNOBS[name].default)})")
+            knob_flag(sub_parser, name)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would answer with the top-level usage; the subcommand's lists the flags that exist
         dict(zip(MODES, (train, smoke, watch, evaluate), strict=True))[args.mode].error(
@@ -440,31 +349,31 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     """Preflight, then (unless --dry-run) upload the bundle and start the job; return what was (or would be) done."""
     mode, bundle = args.mode, args.bundle_dir
     recipe.knob("DEBUG", env)
-    from_env = recipe.knob("DRY_RUN", env)  # checked even beside --dry-run: a typo there is refused, not ignored
-    args.dry_run = args.dry_run or from_env
+    args.dry_run = recipe.knob("DRY_RUN", env) or args.dry_run  # checked even beside --dry-run: a typo is refused
     if not args.dry_run:
         check_hub_version(hub_version)
-    token = checked_token(env, stored_token)
+    token = env.get("HF_TOKEN", "").strip() or (stored_token() or "").strip()  # the Hub's auth-check judges it
+    if not token:
+        raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
     adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
     asked_repo = adapter_repo
     if mode == "smoke" or getattr(args, "smoke", False):
-        adapter_repo = suffixed_repo(adapter_repo, SMOKE_SUFFIX, "the smoke run pushes to")
+        adapter_repo = suffixed_repo(adapter_repo, ar.SMOKE_SUFFIX, "the smoke run pushes to")
     elif mode == "train" and (steps := recipe.knob("MAX_STEPS", env, args.max_steps)) < recipe.MAX_STEPS:
         adapter_repo = suffixed_repo(adapter_repo, f"-{steps}steps", f"a {steps}-step run pushes to")
-    files = check_bundle(bundle, mode)
-    sandbox = recipe.knob("SANDBOX", env, args.sandbox)
+    files = check_bundle(bundle)
     if env.get("MODEL", "").strip() not in ("", recipe.BASE_MODEL):  # read by train_lora.py and serve_policy.sh alone
         raise recipe.ConfigError(f"MODEL={env['MODEL'].strip()!r} is not passed to the job: the recipe trains "
                                  f"{recipe.BASE_MODEL} (its LoRA targets, chat template, tool parser and pinned "
                                  "revision are that model's); unset MODEL")
     job_vars = job_env(mode, adapter_repo, args, env)
-    secrets = {"HF_TOKEN": token}
+    secrets, sandbox = {"HF_TOKEN": token}, recipe.knob("SANDBOX", job_vars)
     if sandbox != recipe.SANDBOX:  # the backend's key rides as a secret; the job installs its extra
         secrets |= recipe.sandbox_keys(sandbox, env)
-        job_vars["SANDBOX"] = sandbox
         job_vars |= {name: env[name].strip() for name in recipe.SANDBOXES[sandbox].get("settings", ())
                      if env.get(name, "").strip()}
-    said = {"notes": told} if (told := notes(mode, job_vars, args, asked_repo) + recipe.sandbox_notes(sandbox)) else {}
+    told = notes(mode, job_vars, args, asked_repo) + ([recipe.E2B_NOTE] if sandbox == "e2b" else [])
+    said = {"notes": told} if told else {}
     # What the job's one pip call installs (`recipe.py --requirements SANDBOX`): the job's pins and the backend's.
     said["install"] = [line for line in recipe.requirements(sandbox).splitlines() if line and not line.startswith("#")]
     timeout = smoke_timeout(mode, args, job_vars)
@@ -474,18 +383,27 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     if args.dry_run:
         spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets, timeout)
         return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files},
-                "dashboard": dashboard_info(args, adapter_repo, TOKEN_OWNER), **said}
+                "dashboard": dashboard_info(job_vars, TOKEN_OWNER), **said}
+    from huggingface_hub import CommitOperationAdd
+
     api = make_api(token)
     check_adapter_repo(api, mode, adapter_repo, job_vars.get("CHECKPOINT"), job_vars.get("RESUME", "1") == "1")
     check_no_live_job(api, mode, adapter_repo, job_vars)
-    check_write_access(api, mode, adapter_repo, code_repo)
-    if mode == "eval-watch" and (told := watch_notes(api, adapter_repo, job_vars)):
+    if told := check_write_access(api, mode, adapter_repo, code_repo, job_vars):
         said["notes"] = said.get("notes", []) + told
-    revision = upload_bundle(api, code_repo, bundle, files)
+    # One commit of exactly `files`; the job pins its own id (CommitInfo.oid): another launch may commit after it.
+    ops = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(bundle / name)) for name in files]
+    revision = ar.commit(api, code_repo, ops, f"{PROJECT} code bundle (launch.py)")
     spec = job_spec(mode, code_repo, revision, job_vars, secrets, timeout)
     job = api.run_job(**spec, token=token)
-    board = dashboard_info(args, adapter_repo, token_owner(api))
-    follow = follow_lines(job)
+    try:
+        owner = api.whoami()["name"]  # the dashboard Space's owner
+    except Exception:  # noqa: BLE001 - only the printed URL is blurred; the job resolves the owner itself
+        owner = TOKEN_OWNER
+    board = dashboard_info(job_vars, owner)
+    follow = [f"job id:       {job.id}", f"job page:     {job.url}",
+              f"capture URL:  https://{job.id}--{recipe.PUBLIC_PORT}.hf.jobs/capture",
+              f"follow logs:  {HF_CLI} jobs logs -f {job.id}", f"stop it:      {HF_CLI} jobs cancel {job.id}"]
     if board:
         follow.append(f"dashboard:    {board.get('url') or board['local']} (Trackio project {board['project']})")
     return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files, "revision": revision},
@@ -504,7 +422,7 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
                       hub_version=huggingface_hub.__version__,
                       make_api=make_api or (lambda token: huggingface_hub.HfApi(token=token)))
     except Exception as err:  # noqa: BLE001 - one line: what failed, the likely cause, the fix (DEBUG=1: traceback)
-        return report_failure("launch.py", err, env)
+        return ar.report_failure("launch.py", err, env)
     for note in done.get("notes", []):
         print(f"launch.py: note: {note}", file=sys.stderr)
     if args.dry_run:

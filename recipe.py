@@ -1,11 +1,6 @@
-"""The recipe's knobs, in one place.
-
-Every script imports its numbers from here (shell scripts read them with `python3 recipe.py NAME`), so a knob is
-changed once and training, eval, launch and the model card agree. Each value has a one-line reason; the derivations
-and measurements behind them are in docs/recipe.md. The job's pins are JOB_REQUIREMENTS, each sandbox backend's are
-in SANDBOXES (`python3 recipe.py --requirements [SANDBOX]` prints them). KNOBS declares every environment knob with
-its type, range and reason: launch.py, the job scripts (`recipe.py --env`) and the Python entry points check them alike.
-"""
+"""The recipe's knobs, in one place: every script reads its numbers here (shell scripts through `python3 recipe.py`),
+so training, eval, launch and the model card agree. Each value has a one-line reason (the derivations: docs/recipe.md);
+KNOBS declares every environment knob, checked alike by launch.py, the job scripts and the Python entry points."""
 
 from __future__ import annotations
 
@@ -31,9 +26,7 @@ ADAPTER_SERVED_NAME = "opencode-lora"  # the adapter's name beside the base mode
 # --- Images ------------------------------------------------------------------------------------------------------
 VLLM_IMAGE = "vllm/vllm-openai:v0.31.0"  # top of trl 1.15's vLLM band; ships the lfm2 tool parser
 VLLM_VERSION = "0.31.0"
-# `pip check` breaks the install step accepts, (package, dependency): vLLM imports mcp only in its MCP tool server,
-# which the job never starts (evidence: docs/recipe.md); image_check.py refuses any other.
-PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)
+PIP_CHECK_ACCEPTED = (("vllm", "mcp"),)  # pip check's (package, dependency) breaks let pass: docs/recipe.md says why
 TASK_IMAGE = "docker.io/savatar101/env-data-agent-train:base"  # every task builds FROM it; hf-sandbox needs it named
 
 # --- Data --------------------------------------------------------------------------------------------------------
@@ -46,8 +39,7 @@ TRAIN_HARD = 600
 TEST_TASKS = 250
 # Every task's tests/grader.py (the lineage's numeric-only grader): a task whose grader differs is refused.
 GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629f"
-# Harbor's backend for every rollout (env SANDBOX): the key sets Harbor's preflight accepts (any one, all of it set;
-# passed as job secrets), SDK settings passed on when set, pins installed with JOB_REQUIREMENTS (docs/sandboxes.md).
+# Harbor's backend (env SANDBOX): its key sets (any one, in full), SDK settings and pins (docs/sandboxes.md).
 SANDBOX = "hf-sandbox"
 SANDBOXES: dict[str, dict[str, Any]] = {
     "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": ""},
@@ -110,8 +102,7 @@ EVAL_FLAVOR = "h200"
 EVAL_WATCH_TIMEOUT = "48h"
 EVAL_TIMEOUT = "12h"
 EVAL_WATCH_TASKS = 100  # the live learning curve's fixed test subset
-# What a run costs (launch.py's cost lines): the recipe's own figures and the rollout-pipeline simulation's
-# (benchmarks/README.md; sources: docs/recipe.md).
+# What a run costs (launch.py's cost lines): the recipe's figures and the pipeline simulation's (docs/recipe.md).
 RECIPE_TRAIN_HOURS = (10, 25)
 RECIPE_SMOKE_MINUTES = 40
 SIMULATED_TRAIN_HOURS = (27, 47)
@@ -133,8 +124,7 @@ ENV_PORT = 8001  # the env server's task API, loopback only
 VLLM_PORT = 8100  # loopback only: vLLM's dev endpoints are unauthenticated
 PORT_KNOBS = ("POLICY_PORT", "ENV_PORT", "PUBLIC_PORT")  # the job's port knobs: vLLM, the env server, the gateway
 LOOPBACK = "127.0.0.1"
-# Stall watchdog (run_job.sh): a healthy run finishes a rollout or a step within TRL's, Harbor's and OpenEnv's own
-# limits plus a margin, 40 minutes (the derivation: docs/recipe.md).
+# Stall watchdog (run_job.sh): TRL's, Harbor's and OpenEnv's own limits plus a margin, 40 minutes (docs/recipe.md).
 ROLLOUT_CALL_LIMIT_S = 1800  # OpenEnv's Harbor client: one rollout call, sandbox boot to grade
 TASK_API_TIMEOUT_S = 120  # a session's create() and the task API (HarborEnv's HTTP client)
 WORKER_START_LIMIT_S = 300  # TRL fails a rollout child not up by then (child_ready_timeout)
@@ -146,8 +136,7 @@ SANDBOX_IDLE_MARGIN_S = 300  # a trial at its call limit keeps its sandbox while
 # HF Sandbox idle timeout (35 min): a running command is no activity to it, so a whole trial may look idle.
 SANDBOX_IDLE_TIMEOUT_S = AGENT_TIMEOUT_SEC + ROLLOUT_SETUP_BUDGET_S + SANDBOX_IDLE_MARGIN_S
 FAILED_TRIALS_KEEP_MB = 2048  # unscorable rollouts' trial folders kept, newest first (scored ones are removed)
-# Rollout guard (train_rollouts.py): a wave of unscorable rollouts in a row, or more than half of a window, is a shared
-# cause that stops the job (independent failures almost never do: docs/recipe.md).
+# Rollout guard (train_rollouts.py): a wave of unscorable rollouts in a row, or half a window, stops the job.
 ROLLOUT_ABORT_STREAK = MAX_INFLIGHT_ROLLOUTS
 ROLLOUT_WINDOW = 256
 ROLLOUT_MAX_UNSCORABLE = 0.5
@@ -181,37 +170,19 @@ SMOKE_SAVE_STEPS = 5  # the first start stops after the first push, the second r
 SMOKE_EVAL_TASKS = 4  # the final eval's held-out tasks: 2 x 4 cells, one wave
 SMOKE_WATCH_TASKS = 2  # eval-watch --smoke: one short wave per checkpoint...
 SMOKE_WATCH_EXTRA_S = 3600  # ...its cap the smoke job's plus this, for the waves after the final adapter lands
-# The verdict's limits (smoke_report.assess; why each: docs/recipe.md). The median step's token-weighted importance
-# ratio: truncated sampling moves it, staleness cannot; widened by RATIO_TOLERANCE for bf16 serving.
+SMOKE_TIMEOUT = "8h"  # the 20-step smoke's worst case plus a tenth (tests/test_smoke_report.py adds it up)
+SMOKE_REPORT_RESERVE_S = 1800  # its stages stop this long before the cap, so that the report still lands
+SMOKE_START_UP_S = 3780  # a healthy smoke beside its steps: start, install, servers, pushes, final eval, report
+# The verdict's limits (smoke_report.assess; each failed one is a NO-GO line; why each: docs/recipe.md). The median
+# step's token-weighted importance ratio: truncated sampling moves it, staleness cannot; widened for bf16 serving.
 RATIO_MIN = 0.998
 RATIO_MAX = 1.0
 RATIO_TOLERANCE = 0.002
 SMOKE_KL_MAX = 0.01  # TRL's kl for the median step: 55x a healthy run's
 SMOKE_ZERO_CONTRAST_WARN = 0.5  # warned: most rows from zero-contrast groups train nothing
-SMOKE_MAX_UNSCORABLE = 0.10
-SMOKE_MAX_STALE = 0.05
-SMOKE_MAX_FORK = 0.05
-
-# The smoke job's cap, whatever its MAX_STEPS: the 20-step smoke's worst case, every stage at the longest the job's own
-# limits let it run (servers READY_TIMEOUT_S, each wave of in-flight rollouts at the rollout call limit, every push
-# through all PUSH_RETRIES; tests/test_smoke_report.py adds it up), plus a tenth, rounded up to half hours.
-SMOKE_TIMEOUT = "8h"
-# Its stages stop this long before the cap, so the report (checkpoints read back, smoke_report.json pushed) still
-# lands: the platform's clock also counts the job's start before run_job.sh (a cold node pulling the image: 15 min).
-SMOKE_REPORT_RESERVE_S = 1800
-# A healthy smoke beside its steps (RECIPE_SMOKE_MINUTES for 20): job start, install, tasks and servers 25 min, two
-# trainer starts 10, pushes and read-backs 6, the final eval 15, the report 7.
-SMOKE_START_UP_S = 3780
-# The verdict's limits (smoke_report.assess; each failed one is a NO-GO line naming its numbers):
-# - unscorable rollouts: a healthy pipeline loses a few percent to sandboxes and the Hub; over a tenth of a smoke's
-#   ~160 finished rollouts is a shared cause the 72-hour run would pay for at every step.
-SMOKE_MAX_UNSCORABLE = 0.10
-# - samples TRL dropped as stale (issue 29's pipeline goal: at least 95 % of finished rollouts trained).
-SMOKE_MAX_STALE = 0.05
-# - rollouts whose capture forked into more than one training row (a step then trains part of a group).
-SMOKE_MAX_FORK = 0.05
-# - per-rollout setup within ROLLOUT_SETUP_BUDGET_S, and every agent run SANDBOX_IDLE_MARGIN_S inside the sandbox's
-#   idle timeout (SANDBOX_IDLE_TIMEOUT_S).
+SMOKE_MAX_UNSCORABLE = 0.10  # over a tenth of ~160 rollouts is a shared cause the 72-hour run would pay for
+SMOKE_MAX_STALE = 0.05  # samples TRL dropped as stale (the pipeline's goal: 95 % of finished rollouts trained)
+SMOKE_MAX_FORK = 0.05  # rollouts whose capture forked into several training rows
 
 # --- The job's work folder: beside the trainer's HEARTBEAT_FILE, read by the watchdog and the smoke report --------
 ROLLOUT_STATE = "rollout_state.json"  # TRL 1.15's resume position in every checkpoint folder
@@ -249,21 +220,16 @@ def keep_ledger_aside(folder: str | Path) -> Path | None:
     return ledger.replace(Path(folder) / KEPT_LEDGER_GLOB.replace("*", str(last + 1)))
 
 
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` so that a reader sees the old file or the new one, never half of one, and two writers in one
+def write_json(path: str | Path, doc: Any, *, indent: int | None = None, sort_keys: bool = False) -> None:
+    """`doc` as JSON, so that a reader sees the old file or the new one, never half of one, and two writers in one
     folder never share a temporary name (the job's heartbeat folder has several)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
-        tmp.write(text)
+        json.dump(doc, tmp, indent=indent, sort_keys=sort_keys)
         tmp.flush()
         os.fsync(tmp.fileno())
     os.replace(tmp.name, path)
-
-
-def write_json(path: str | Path, doc: Any, *, indent: int | None = None, sort_keys: bool = False) -> None:
-    """`doc` as JSON, written atomically (write_atomic)."""
-    write_atomic(path, json.dumps(doc, indent=indent, sort_keys=sort_keys))
 
 
 def read_json(path: str | Path) -> Any:
@@ -276,12 +242,9 @@ def read_json(path: str | Path) -> Any:
 
 # --- Rewards: the rule the training sessions, the rollout guard and the eval share --------------------------------
 def graded_reward(result: Any) -> float | None:
-    """The grade a finished rollout earned the policy, or None when it has none (unscorable: infrastructure).
-
-    A grade counts even when the agent timed out; no reward, no agent turn reaching the model, or a model call that
-    failed at the engine is no grade (why each: docs/recipe.md). `result` is OpenEnv's HarborRolloutResult, read by
-    attribute so that this module needs no openenv.
-    """
+    """The grade a finished rollout earned the policy (an agent timeout's too), or None when it has none: no reward, no
+    agent turn reaching the model, or a model call that failed at the engine (why each: docs/recipe.md). `result` is
+    OpenEnv's HarborRolloutResult, read by attribute so that this module needs no openenv."""
     reward = getattr(result, "reward", None)
     turns = getattr(result, "turns", None) or []
     if reward is None or upstream_errors(result) or not any(t.role == "agent" and not t.discarded for t in turns):
@@ -298,21 +261,14 @@ def upstream_errors(result: Any) -> int:
     return int(found[0][len(UPSTREAM_FINDING):].split()[0]) if found else 0
 
 
-# The names the trainer pushes under: "final" (the adapter at the repo root) or checkpoint-N, N >= 1; here, below
-# every script, so that the knob check and the repo layout (adapter_repo) share the rule.
+# The names the trainer pushes under (the CHECKPOINT knob's rule and adapter_repo's layout): final or checkpoint-N.
 CHECKPOINT_PREFIX = "checkpoint-"
 FINAL = "final"
 CHECKPOINT_PATTERN = rf"{FINAL}|{CHECKPOINT_PREFIX}[1-9][0-9]*"
 
 
-def is_checkpoint(name: str) -> bool:
-    """Whether `name` is one the trainer pushes: "final" or checkpoint-N."""
-    return re.fullmatch(CHECKPOINT_PATTERN, name) is not None
-
-
 # --- The job's pins (run_job.sh and setup.sh install them with `recipe.py --requirements`) ------------------------
-JOB_REQUIREMENTS = """# The job's stack, beside vLLM 0.31's own in its image (transformers with --no-deps there); every
-# pin is part of one version window that must hold at once.
+JOB_REQUIREMENTS = """# The job's stack beside vLLM 0.31's own in its image: one version window that must hold at once.
 # trl 1.15.0 exactly: the first with HarnessRolloutWorker; 1.16 refuses Lfm2ForCausalLM ("has ['conv'] layers").
 trl[peft]==1.15.0
 # openenv 0.10.0: the capture proxy and harness protocol TRL 1.15 was written against.
@@ -375,18 +331,11 @@ def check_versions(names: tuple[str, ...] = ("trl", "transformers"), text: str =
 
 
 def require_repo_id(value: str | None, var: str, example: str = "you/LFM2.5-2.6B-opencode-lora-RL") -> str:
-    """Return `value` if it is an `owner/name` repo id the Hub accepts; otherwise explain the expected form.
+    """`value` if it is an `owner/name` repo id the Hub accepts (huggingface_hub's own rule, never a copy)."""
+    from huggingface_hub.utils import HFValidationError, validate_repo_id
 
-    The character rules are huggingface_hub's own `validate_repo_id`, never a copy (every caller has huggingface_hub);
-    only the `owner/` part is the recipe's rule.
-    """
     if not value:
         raise ConfigError(f"{var} is not set: set it to your repo id, e.g. {var}={example}")
-    try:
-        from huggingface_hub.utils import HFValidationError, validate_repo_id
-    except ImportError:
-        raise ConfigError(f"{var} cannot be checked: huggingface_hub is not installed; pip install "
-                          f"'huggingface_hub{pinned_versions()['huggingface-hub']}'") from None
     why = ""
     try:
         validate_repo_id(value)
@@ -418,14 +367,11 @@ def sandbox_keys(sandbox: str, env: Mapping[str, str] | None = None) -> dict[str
     raise ConfigError(f"SANDBOX={sandbox} needs {wanted}: set it (launch.py passes it to the job as a secret)")
 
 
-def sandbox_notes(sandbox: str) -> list[str]:
-    """What a backend's account must allow that the key does not show (one line each)."""
-    if sandbox != "e2b":
-        return []
-    return [f"E2B's Hobby plan runs at most {E2B_HOBBY_CONCURRENCY} sandboxes at once, and this job keeps "
+# What SANDBOX=e2b's account must allow that its key does not show: said by launch.py, not refused.
+E2B_NOTE = (f"E2B's Hobby plan runs at most {E2B_HOBBY_CONCURRENCY} sandboxes at once, and this job keeps "
             f"{MAX_INFLIGHT_ROLLOUTS} rollouts in flight: on Hobby the creates past {E2B_HOBBY_CONCURRENCY} fail as "
-            "rate-limited (unscorable rollouts, and a streak stops the job); use a plan that allows "
-            f"{MAX_INFLIGHT_ROLLOUTS} (docs/sandboxes.md)"]
+            f"rate-limited (unscorable rollouts, and a streak stops the job); use a plan that allows "
+            f"{MAX_INFLIGHT_ROLLOUTS} (docs/sandboxes.md)")
 
 
 # --- Environment knobs --------------------------------------------------------------------------------------------
@@ -436,7 +382,7 @@ def hours(timeout: str) -> float:
 
 def checkpoint_arg(raw: str, var: str) -> str:
     """A CHECKPOINT knob: 'final' or 'checkpoint-N'."""
-    if not is_checkpoint(raw.strip()):
+    if not re.fullmatch(CHECKPOINT_PATTERN, raw.strip()):
         raise ConfigError(f"{var}={raw!r} is not a checkpoint name: use 'final' or e.g. 'checkpoint-300'")
     return raw.strip()
 
@@ -597,18 +543,17 @@ def _shell_knobs() -> dict[str, str]:
 
 
 def main(argv: list[str]) -> None:
-    """The shell scripts' door: knob values, checked environment knobs, the job's requirements."""
+    """usage: python3 recipe.py NAME...        each knob's value, one per line (shell scripts read them so)
+       python3 recipe.py --all          NAME=value of every knob
+       python3 recipe.py --env NAME...  environment knobs, each checked (a bad one exits with its fix)
+       python3 recipe.py --requirements [SANDBOX...]  the job's pip requirements (JOB_REQUIREMENTS and the backends')"""
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"{USAGE}\n\n{__doc__.strip()}", file=sys.stdout if argv else sys.stderr)
+        print(f"{main.__doc__}\n\n{__doc__.strip()}", file=sys.stdout if argv else sys.stderr)
         sys.exit(0 if argv else 2)
     try:
         if argv[0] == "--requirements":
-            if unknown := [name for name in argv[1:] if name not in SANDBOXES]:
-                sys.exit(f"recipe.py: unknown sandbox backend {unknown[0]!r}: use {'|'.join(SANDBOXES)}")
-            print(requirements(*argv[1:]), end="")
+            print(requirements(*(knob("SANDBOX", value=name) for name in argv[1:])), end="")
         elif argv[0] == "--env":
-            if unknown := [name for name in argv[1:] if name not in KNOBS]:
-                sys.exit(f"recipe.py: unknown environment knob {unknown[0]!r}")
             print("\n".join(f"{name}={shell_value(knob(name))}" for name in argv[1:]))
         elif argv == ["--all"]:  # NAME=value per line: common.sh reads every knob in one Python start
             print("\n".join(f"{name}={value}" for name, value in _shell_knobs().items()))
@@ -620,11 +565,6 @@ def main(argv: list[str]) -> None:
     except ConfigError as exc:
         sys.exit(str(exc))
 
-
-USAGE = """usage: python3 recipe.py NAME...        each knob's value, one per line (shell scripts read them so)
-       python3 recipe.py --all          NAME=value of every knob
-       python3 recipe.py --env NAME...  environment knobs, each checked (a bad one exits with its fix)
-       python3 recipe.py --requirements [SANDBOX...]  the job's pip requirements (JOB_REQUIREMENTS and the backends')"""
 
 if __name__ == "__main__":
     main(sys.argv[1:])

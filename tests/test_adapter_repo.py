@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import threading
 from pathlib import Path
 
@@ -204,7 +205,7 @@ def test_the_watcher_and_the_full_eval_never_share_a_file():
 @pytest.mark.parametrize(("name", "ok"), [("final", True), ("checkpoint-300", True), ("checkpoint-0", False),
                                           ("checkpoint-", False), ("step-5", False), ("checkpoint-3/..", False)])
 def test_checkpoint_names(name, ok):
-    assert recipe.is_checkpoint(name) is ok
+    assert (re.fullmatch(recipe.CHECKPOINT_PATTERN, name) is not None) is ok
     # the CHECKPOINT knob's check is the layout's rule, with the user-facing line on a refusal
     if ok:
         assert recipe.knob("CHECKPOINT", {"CHECKPOINT": name}) == name

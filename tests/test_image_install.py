@@ -52,14 +52,15 @@ def test_constraints_are_what_the_job_computes(resolution, tmp_path):
     assert not any(c.startswith("mcp") for c in resolution["constraints"])  # the accepted break is not held
 
 
-def test_pip_check_after_install_shows_only_accepted_breaks(resolution, after_install):
+def test_pip_check_after_install_shows_only_accepted_breaks(resolution, after_install, monkeypatch):
     python, _ = after_install
     lines = pip_check(python)
     assert lines == resolution["pip_check"]
-    breaks = image_check.parse_pip_check("\n".join(lines))
-    assert image_check.unaccepted(breaks) == []
+    assert image_check.breaks("\n".join(lines)) == []
     # No stale entry: every accepted break really happens.
-    assert {(b.package, b.dependency) for b in breaks} == set(recipe.PIP_CHECK_ACCEPTED)
+    accepted = set(recipe.PIP_CHECK_ACCEPTED)
+    monkeypatch.setattr(recipe, "PIP_CHECK_ACCEPTED", ())
+    assert {(pkg, dep) for pkg, dep, _ in image_check.breaks("\n".join(lines))} == accepted
 
 
 def test_job_filter_names_an_unlisted_break(resolution, after_install, monkeypatch):
@@ -69,8 +70,7 @@ def test_job_filter_names_an_unlisted_break(resolution, after_install, monkeypat
                          capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     monkeypatch.setattr(recipe, "PIP_CHECK_ACCEPTED", ())
-    left = image_check.unaccepted(image_check.parse_pip_check(report))
-    assert [(b.package, b.dependency) for b in left] == [("vllm", "mcp")]
+    assert [(pkg, dep) for pkg, dep, _ in image_check.breaks(report)] == [("vllm", "mcp")]
     with pytest.raises(SystemExit, match=r"the install step broke a requirement: vllm 0\.31\.0 has requirement mcp"):
         monkeypatch.setattr(sys, "stdin", __import__("io").StringIO(report))
         image_check.main(["pip-check"])
@@ -124,7 +124,7 @@ def test_a_backends_install_is_resolved_for_its_pins(resolution, sandbox):
 def test_a_backends_install_breaks_nothing_but_the_accepted(resolution, sandbox, tmp_path):
     packages, lines = backend_install(resolution, sandbox, "with", tmp_path / "env")
     assert lines == resolution["sandboxes"][sandbox]["with"]["pip_check"]
-    assert image_check.unaccepted(image_check.parse_pip_check("\n".join(lines))) == []
+    assert image_check.breaks("\n".join(lines)) == []
     vllm_ranges_hold(resolution, packages)
 
 
@@ -133,8 +133,8 @@ def test_without_its_opentelemetry_pin_daytona_breaks_the_images_opentelemetry(r
     OpenTelemetry family to 1.45.1 under the image's 1.45.2 exporters, and the job's pip-check filter would stop the
     job."""
     _, lines = backend_install(resolution, "daytona", "without_pins", tmp_path / "env")
-    left = image_check.unaccepted(image_check.parse_pip_check("\n".join(lines)))
-    assert len(left) == 5 and all(b.package.startswith("opentelemetry-") for b in left), lines
+    left = image_check.breaks("\n".join(lines))
+    assert len(left) == 5 and all(pkg.startswith("opentelemetry-") for pkg, _, _ in left), lines
     assert "opentelemetry-exporter-otlp" in recipe.pinned_versions(recipe.SANDBOXES["daytona"]["requirements"])
 
 
@@ -144,9 +144,9 @@ def test_without_its_opentelemetry_pin_daytona_breaks_the_images_opentelemetry(r
     ("Foo_Bar 1.0 has requirement baz.qux[x]>=2, but you have baz-qux 1.0.", ("foo-bar", "baz-qux")),
     ("something pip never printed", ("?", "?")),
 ])
-def test_parse_pip_check_lines(line, expected):
-    (found,) = image_check.parse_pip_check(f"{line}\n")
-    assert (found.package, found.dependency) == expected and found.line == line
+def test_parse_pip_check_lines(line, expected, monkeypatch):
+    monkeypatch.setattr(recipe, "PIP_CHECK_ACCEPTED", ())
+    assert image_check.breaks(f"{line}\n") == [(*expected, line)]
 
 
 def test_tests_run_the_jobs_torch(resolution):
@@ -159,4 +159,14 @@ def test_tests_run_the_jobs_torch(resolution):
 
 
 def test_clean_pip_check_has_no_breaks():
-    assert image_check.parse_pip_check("No broken requirements found.\n") == []
+    assert image_check.breaks("No broken requirements found.\n") == []
+
+
+@pytest.mark.parametrize(("sandbox", "pins"), [("hf-sandbox", "recipe.JOB_REQUIREMENTS,"),
+                                               ("daytona", "recipe.JOB_REQUIREMENTS or recipe.SANDBOXES['daytona']")])
+def test_a_break_names_the_pins_the_install_step_installed(sandbox, pins):
+    """The install step installs JOB_REQUIREMENTS and SANDBOX's own pins: a break's fix names both when both went in."""
+    report = "vllm 0.31.0 has requirement fastapi<0.137.0,>=0.133.0, but you have fastapi 0.165.0.\n"
+    out = subprocess.run([sys.executable, str(ROOT / "image_check.py"), "pip-check"], input=report, text=True,
+                         capture_output=True, env={"PATH": "/usr/bin:/bin", "SANDBOX": sandbox}, timeout=60)
+    assert out.returncode != 0 and f"(pin it in {pins} or list ('vllm', 'fastapi')" in out.stderr, out.stderr

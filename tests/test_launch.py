@@ -31,13 +31,12 @@ ADAPTER = "alice/LFM2.5-2.6B-opencode-lora-RL"
 CODE = "alice/lfm-opencode-lora-rl-code"
 # What the recipe says each job is (recipe.txt "Launch"/"Evaluation"), written out on purpose.
 EXPECTED = {
-    "train": ("run_job.sh", "h200x2", "72h", {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "REPORT_TO": "trackio"}),
+    "train": ("run_job.sh", "h200x2", "72h", {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000"}),
     # The recipe's "MAX_STEPS=20 gives a ~40-min smoke run"; the cap is the plan's worst case with its margin.
     "smoke": ("run_job.sh", "h200x2", "8h", {"ADAPTER_REPO": ADAPTER + "-smoke", "MODE": "smoke", "MAX_STEPS": "20",
-                                             "SAVE_STEPS": "5", "EVAL_TASKS": "4", "REPORT_TO": "trackio"}),
-    "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
-                                                        "REPORT_TO": "trackio"}),
-    "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final", "REPORT_TO": "trackio"}),
+                                             "SAVE_STEPS": "5", "EVAL_TASKS": "4"}),
+    "eval-watch": ("run_eval_watch.sh", "h200", "48h", {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100"}),
+    "eval": ("run_eval.sh", "h200", "12h", {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final"}),
 }
 SCRIPTS = ["recipe.py", "common.sh", "image_check.py", "prepare_tasks.py", "eval_adapter.py", "adapter_repo.py",
            "serve_policy.sh", "serve_env.sh", "seam_patch.py", "capture_gateway.py", "run_job.sh", "train_lora.py",
@@ -148,7 +147,7 @@ def test_a_daytona_or_e2b_launch_passes_its_key_as_a_secret_and_installs_its_ext
     assert {"trl[peft]==1.15.0", f"harbor[{sandbox}]", f"{sandbox}{sdk}"} <= set(plan["install"])  # one pip call
     assert plan["upload"]["files"] == BUNDLE  # the pins are recipe.py's: nothing the recipe's own upload leaves out
     # E2B's Hobby plan is below the recipe's in-flight rollouts: said in one line, not refused (docs/sandboxes.md).
-    assert err == ("" if sandbox == "daytona" else f"launch.py: note: {recipe.sandbox_notes('e2b')[0]}\n")
+    assert err == ("" if sandbox == "daytona" else f"launch.py: note: {recipe.E2B_NOTE}\n")
 
 
 def test_the_default_backend_passes_no_sandbox_setting_and_installs_the_jobs_pins_alone(capsys, bundle):
@@ -251,8 +250,7 @@ def test_flags_override_environment(capsys, bundle):
             "--adapter-repo", "org/adapter"]
     rc, out, _ = run_main(capsys, argv, base_env(MAX_STEPS="50"))
     plan = json.loads(out)
-    assert rc == 0 and plan["job"]["env"] == {"ADAPTER_REPO": "org/adapter-300steps", "MAX_STEPS": "300",
-                                              "REPORT_TO": "trackio"}
+    assert rc == 0 and plan["job"]["env"] == {"ADAPTER_REPO": "org/adapter-300steps", "MAX_STEPS": "300"}
     assert plan["upload"]["repo"] == "org/code" and "hf download org/code " in plan["job"]["command"][2]
 
 
@@ -311,8 +309,6 @@ def _set_row(i: int, key: str, value: str | None):
 
 PREFLIGHT = {
     "no token": ("train", _env(HF_TOKEN=None), "no Hugging Face token"),
-    "malformed token": ("train", _env(HF_TOKEN="sk-" + SANDBOX_CANARY), "does not look like a Hugging Face"),
-    "short token": ("train", _env(HF_TOKEN="hf_abc"), "does not look like a Hugging Face"),
     "no adapter repo": ("train", _env(ADAPTER_REPO=None), "ADAPTER_REPO is not set"),
     "bad adapter repo": ("eval", _env(ADAPTER_REPO="just-a-name"), "ADAPTER_REPO='just-a-name' is not a valid"),
     "bad code repo": ("train", _env(CODE_REPO="a/b/c"), "CODE_REPO='a/b/c' is not a valid"),
@@ -408,14 +404,14 @@ def test_bundle_file_list_is_the_recipe_include_set(bundle):
     assert launch.bundle_files(bundle) == BUNDLE
 
 
-@pytest.mark.parametrize("mode", sorted(launch.MODES))
-def test_each_mode_checks_for_every_bundle_module_its_scripts_import(mode):
-    """check_bundle's list for a mode holds every bundle module its Python scripts import, lazy imports included:
-    a module missing from a partial bundle would otherwise surface on the job, after the install and the model load."""
+def test_the_bundle_check_holds_every_module_the_jobs_python_scripts_import():
+    """check_bundle's list holds every bundle module the jobs' Python scripts import, lazy imports included: a module
+    missing from a partial bundle would otherwise surface on the job, after the install and the model load."""
     from test_runtime_imports import imported_modules
 
     modules = {p.stem for p in ROOT.glob("*.py")}
-    needed = {launch.MODES[mode]["script"], *launch.MODES[mode]["needs"], *launch.COMMON_FILES}
+    needed = set(launch.JOB_FILES)
+    assert {mode["script"] for mode in launch.MODES.values()} <= needed
     todo, imported = [name for name in needed if name.endswith(".py")], set()
     while todo:
         script = todo.pop()
@@ -516,8 +512,7 @@ def test_eval_watch_smoke_watches_the_smoke_repo_on_a_few_tasks(capsys, bundle):
     rc, out, _ = run_main(capsys, ["eval-watch", "--smoke", "--dry-run", "--bundle-dir", str(bundle)], base_env())
     job = json.loads(out)["job"]
     assert rc == 0 and "smoke_plan" not in json.loads(out)
-    assert job["env"] == {"ADAPTER_REPO": ADAPTER + "-smoke", "N_TASKS": "2", "MAX_IDLE_HOURS": "8",
-                          "REPORT_TO": "trackio"}
+    assert job["env"] == {"ADAPTER_REPO": ADAPTER + "-smoke", "N_TASKS": "2", "MAX_IDLE_HOURS": "8"}
     assert (job["flavor"], job["timeout"]) == ("h200", "9h")  # the smoke's cap, plus an hour for the last waves
 
 
@@ -620,14 +615,13 @@ def test_job_knobs_the_launcher_passes_show_in_the_dry_run_spec(capsys, bundle):
     assert rc == 0, err
     assert json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "MAX_STEPS": "1000", "SAVE_STEPS": "75",
                                              "RESUME": "1", "WEIGHT_SYNC": "stock", "STALL_MINUTES": "45",
-                                             "FINAL_EVAL": "0", "LEARNING_RATE": "1e-05", "REPORT_TO": "trackio"}
+                                             "FINAL_EVAL": "0", "LEARNING_RATE": "1e-05"}
     rc, out, err = run_main(capsys, ["eval-watch", "--dry-run", "--bundle-dir", str(bundle)], env)
     assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "N_TASKS": "100",
-                                                         "MAX_IDLE_HOURS": "12", "EVAL_CONCURRENCY": "8",
-                                                         "REPORT_TO": "trackio"}
+                                                         "MAX_IDLE_HOURS": "12", "EVAL_CONCURRENCY": "8"}
     rc, out, err = run_main(capsys, ["eval", "--dry-run", "--bundle-dir", str(bundle), "--eval-concurrency", "4"], env)
     assert rc == 0 and json.loads(out)["job"]["env"] == {"ADAPTER_REPO": ADAPTER, "CHECKPOINT": "final",
-                                                         "EVAL_CONCURRENCY": "4", "REPORT_TO": "trackio"}
+                                                         "EVAL_CONCURRENCY": "4"}
 
 
 def test_save_steps_is_checked_against_the_max_steps_the_job_gets(capsys, bundle):
@@ -828,9 +822,7 @@ def test_the_recipes_own_upload_from_a_set_up_checkout_gives_a_bundle_that_runs(
     checkout = set_up_checkout(tmp_path)
     taken = recipe_upload(checkout)
     assert [name for name in taken if name.startswith(DOT_FOLDERS)] == []
-    needed = {spec["script"] for spec in launch.MODES.values()} | set(launch.COMMON_FILES) | {
-        name for spec in launch.MODES.values() for name in spec["needs"]}
-    assert needed <= set(taken) and {"data/train.json", "data/test.json"} <= set(taken)
+    assert set(launch.JOB_FILES) <= set(taken) and {"data/train.json", "data/test.json"} <= set(taken)
     bundle = tmp_path / "app"  # what the recipe's job command downloads to /app
     for name in taken:
         (bundle / name).parent.mkdir(parents=True, exist_ok=True)
