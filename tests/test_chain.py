@@ -92,7 +92,7 @@ class Chain:
 
         with ThreadPoolExecutor(max_workers=len(plan)) as pool:
             out = list(pool.map(one, plan))
-        return out, train_rollouts.read_ledger(ledger)
+        return out, recipe.read_json(ledger)
 
 
 @contextlib.contextmanager
