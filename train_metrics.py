@@ -1,16 +1,15 @@
-"""What one optimizer step optimises and logs on top of TRL 1.15 (docs/training.md "Reading the dashboard" reads it).
-
-StepObjective, mixed into the trainer class, makes the loss token-level over the step's one-sample rows and logs the
-step's learning signals and the rollout ledger's growth; RecipeRolloutLoop, in the rollout child, stamps each row with
-the facts only its group knows.
+"""What one optimizer step optimises and logs on top of TRL 1.15: StepObjective (the trainer's) and RecipeRolloutLoop
+(the rollout child's); docs/training.md "Reading the dashboard" reads the metrics.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from transformers import TrainerState, TrainingArguments
 from transformers.integrations import TrackioCallback
 from transformers.integrations.integration_utils import rewrite_logs
 from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, RolloutSample
-from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
+from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
 
 import dashboard
 import recipe
@@ -59,20 +58,9 @@ class RecipeRolloutLoop(_HarnessRolloutLoop):
         return samples
 
 
-class RecipeRolloutWorker(HarnessRolloutWorker):
-    """HarnessRolloutWorker whose spawned loop is RecipeRolloutLoop."""
-
-    _loop_cls = RecipeRolloutLoop
-
-
 class LedgerGrowth:
-    """The rollout ledger's growth since the last look, by dashboard metric (the ledger is written by the rollout
-    child, another process, so this reads its file).
-
-    A rollout is in the ledger before its group is scored, so a step's look counts every rollout the step trains.
-    Only this start's ledger counts (`started` at or after this object was made), and a new ledger (a restarted
-    child) is counted from zero.
-    """
+    """The rollout ledger's growth since the last look, by dashboard metric: only this start's ledger counts, and a
+    new ledger (a restarted child) from zero. A rollout is in it before its group is scored, so a step counts all."""
 
     def __init__(self, ledger_file: str | Path) -> None:
         self.path = Path(ledger_file)
@@ -93,16 +81,11 @@ class LedgerGrowth:
         return counts
 
 
-class _Versioned:
+def _versioned(collate: Callable[[list[Any]], dict[str, Any]], examples: list[Any]) -> dict[str, Any]:
     """TRL's collator, plus each row's policy version (its oldest sample's) as a tensor that travels with the batch."""
-
-    def __init__(self, collate: Any) -> None:
-        self.collate = collate
-
-    def __call__(self, examples: list[Any]) -> dict[str, Any]:
-        (rows,) = examples
-        versions = [min(sample["metrics"].pop(VERSION, math.nan) for sample in row) for row in rows]
-        return {**self.collate(examples), VERSION: torch.tensor(versions)}
+    (rows,) = examples
+    versions = [min(sample["metrics"].pop(VERSION, math.nan) for sample in row) for row in rows]
+    return {**collate(examples), VERSION: torch.tensor(versions)}
 
 
 class _Seen:
@@ -124,9 +107,8 @@ class StepObjective:
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()
-        base = getattr(loader, "base_dataloader", loader)  # accelerate's dispatcher wraps torch's loader
-        if not isinstance(base.collate_fn, _Versioned):
-            base.collate_fn = _Versioned(base.collate_fn)
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's dispatcher wraps a new loader
+        base.collate_fn = functools.partial(_versioned, base.collate_fn)
         return loader
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
@@ -189,8 +171,7 @@ class StepObjective:
 
 class SafeTrackioCallback(TrackioCallback):
     """transformers' Trackio callback, started through dashboard.init_run (a Space failure falls back to local logs),
-    logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis.
-    """
+    logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis."""
 
     url: str | None = None
     SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
@@ -221,7 +202,4 @@ def attach(trainer: Any, ledger_file: str | Path) -> None:
 
 def dashboard_url(trainer: Any) -> str | None:
     """The dashboard Space the run logged to, if any (for the model card)."""
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, SafeTrackioCallback):
-            return callback.url
-    return None
+    return next((c.url for c in trainer.callback_handler.callbacks if isinstance(c, SafeTrackioCallback)), None)

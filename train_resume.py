@@ -1,11 +1,5 @@
-"""Where a relaunched trainer resumes in the task stream: after every group already consumed, redoing only the ones
-in flight when the checkpoint was saved.
-
-TRL 1.15 saves `prompt_index` = the lowest group not trained, so a group that scored to no sample (all unscorable) or
-was dropped as stale, which is never trained, holds every later checkpoint back at it. Here a group is consumed once
-the trainer took any of its samples off the rollout queue or the rollout child scored it to no sample;
-`rollout_state.json` keeps TRL's `prompt_index` (the lowest group not consumed) and CONSUMED_AHEAD (the consumed
-groups past it), which the resumed child skips. The rollout child's loop is train_metrics' with this position.
+"""Where a relaunched trainer resumes in the task stream: after every group already consumed (taken off the rollout
+queue, or scored to no sample), redoing only the ones in flight at the save (docs/training.md "Resume position").
 """
 
 from __future__ import annotations
@@ -18,10 +12,11 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
+from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
 import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
-from train_metrics import RecipeRolloutLoop, RecipeRolloutWorker
+from train_metrics import RecipeRolloutLoop
 
 EMPTY_GROUPS_FILE = "empty_groups.json"  # in the output folder: groups of this start that scored to no sample
 
@@ -63,8 +58,8 @@ class PositionedRolloutLoop(RecipeRolloutLoop):
         return samples
 
 
-class PositionedRolloutWorker(RecipeRolloutWorker):
-    """RecipeRolloutWorker whose spawned loop is PositionedRolloutLoop."""
+class PositionedRolloutWorker(HarnessRolloutWorker):
+    """TRL's HarnessRolloutWorker whose spawned loop is PositionedRolloutLoop."""
 
     _loop_cls = PositionedRolloutLoop
 
