@@ -20,9 +20,8 @@ logger = logging.getLogger("train_lora")
 
 
 class CheckpointPusher(TrainerCallback):
-    """Pushes each saved checkpoint-N/ to the adapter repo (transformers v5 has no PushToHubCallback), and in the same
-    commit the work folder's records under logs/<job>/ (the step log, the rollout counts and log, the checkpoint's
-    trajectory sample) and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
+    """Pushes each saved checkpoint-N/ to the adapter repo and, in the same commit, the work folder's records under
+    logs/<job>/ and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
 
     def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job",
                  **push_kwargs: Any) -> None:

@@ -230,15 +230,18 @@ def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
 def rollout_worker(
     settings: Settings, tokenizer: PreTrainedTokenizerBase, dataset: Dataset, factory: Callable[..., Any]
 ) -> HarnessRolloutWorker:
-    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none): sessions
-    through the rollout guard (train_rollouts), the loop resumed at the checkpoint's position (train_resume) and
-    stamping each row's metrics (train_metrics); while the trainer waits, each finished rollout dates the heartbeat."""
+    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none); sessions go
+    through the rollout guard (train_rollouts), and a finished rollout dates the heartbeat while the trainer waits."""
+    from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
+
+    import train_resume
     import train_rollouts
-    from train_resume import PositionedRolloutWorker
 
     ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
 
-    class ProgressWorker(PositionedRolloutWorker):
+    class ProgressWorker(HarnessRolloutWorker):
+        _loop_cls = train_resume.PositionedRolloutLoop  # the child's: resumes at the position, stamps row metrics
+
         def check_health(self, stale_after_s: float) -> None:
             """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
             super().check_health(stale_after_s)

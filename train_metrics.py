@@ -36,22 +36,17 @@ ROLLOUT_COUNTS = {f"rollout/{name}_total": key for name, key in (
 TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per scored rollout: a (calls, rollouts) rate, as TRL reduces
 
 
-def group_flags(rewards: list[float | None]) -> dict[str, float]:
-    """Whether a group's scored rewards are all equal (no contrast), or differ only by the tool bonus (every scored
-    rollout equally right or wrong: recipe.py's Reward note says why that still trains)."""
-    scored = [r for r in rewards if r is not None]
-    flat = len(set(scored)) <= 1
-    return {ZERO_CONTRAST: float(flat), BONUS_ONLY: float(not flat and len({r >= recipe.CORRECT_REWARD
-                                                                               for r in scored}) == 1)}
-
-
 class RecipeRolloutLoop(_HarnessRolloutLoop):
-    """TRL's harness loop; each sample it scores also carries its group's flags, its fork and its policy version."""
+    """TRL's harness loop; each sample it scores also carries its fork, its policy version and whether its group's
+    scored rewards are all equal (no contrast) or differ only by the tool bonus (recipe.py's Reward note)."""
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
         samples = await super()._score_group(group)
         forked = [float(len(rows) > 1) for rows in group.completions_sequences for _ in rows]  # TRL's sample order
-        flags = group_flags(list(group.rollout_rewards))
+        scored = [r for r in group.rollout_rewards if r is not None]
+        flat = len(set(scored)) <= 1
+        flags = {ZERO_CONTRAST: float(flat),
+                 BONUS_ONLY: float(not flat and len({r >= recipe.CORRECT_REWARD for r in scored}) == 1)}
         for sample, flag in zip(samples, forked, strict=True):
             sample.metrics.update({**flags, FORKED_FRAC: flag, ZERO_ADVANTAGE: float(sample.advantage == 0.0),
                                    VERSION: float(sample.model_version)})

@@ -12,7 +12,6 @@ from typing import Any
 
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
-from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
 import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
@@ -58,12 +57,6 @@ class PositionedRolloutLoop(RecipeRolloutLoop):
         return samples
 
 
-class PositionedRolloutWorker(HarnessRolloutWorker):
-    """TRL's HarnessRolloutWorker whose spawned loop is PositionedRolloutLoop."""
-
-    _loop_cls = PositionedRolloutLoop
-
-
 class _RecordingQueue:
     """The rollout queue as TRL's RolloutQueueDataset reads it, noting each sample's group as it is taken: whether the
     dataset then trains it or drops it as stale, the group is consumed."""
@@ -98,9 +91,8 @@ class ResumePosition:
         self._empty_file = Path(self.args.output_dir) / EMPTY_GROUPS_FILE
         if not self._positioned():
             return
-        state_file = Path(resume_from_checkpoint) / ROLLOUT_STATE if resume_from_checkpoint else None
-        if state_file is not None and state_file.is_file():
-            self._skipped = frozenset(json.loads(state_file.read_text()).get(CONSUMED_AHEAD, []))
+        saved = recipe.read_json(Path(resume_from_checkpoint) / ROLLOUT_STATE) if resume_from_checkpoint else None
+        self._skipped = frozenset((saved or {}).get(CONSUMED_AHEAD, []))
         self._empty_file.parent.mkdir(parents=True, exist_ok=True)
         recipe.write_json(self._empty_file, [])  # a file left by an earlier start would name another start's groups
         self.rollout_worker._loop_kwargs.update(consumed_ahead=sorted(self._skipped),
@@ -122,8 +114,7 @@ class ResumePosition:
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         state_file = folder / ROLLOUT_STATE
-        empty = self._empty_file
-        consumed = self._taken | self._skipped | set(json.loads(empty.read_text()) if empty.is_file() else [])
+        consumed = self._taken | self._skipped | set(recipe.read_json(self._empty_file) or [])
         start = self.rollout_worker._loop_kwargs["dataset_start_index"]
         recipe.write_json(state_file, {**json.loads(state_file.read_text()), **next_position(start, consumed)})
 

@@ -253,26 +253,17 @@ class GuardedSession:
 
 
 class GuardedSessionFactory:
-    """Built in TRL's rollout child from `guarded()`: the inner factory, plus the ledger."""
+    """Built in TRL's rollout child from `guarded()`: the inner factory, the ledger, and the served tasks' names by
+    prompt (TRL hands create() the prompt only), fetched before TRL's session pool starts."""
 
     def __init__(self, inner: Callable[..., Any], ledger_file: str, **kwargs: Any) -> None:
         self.inner = inner(**kwargs)
         self.ledger = Ledger(ledger_file)
-        self._names: dict[str, str] | None = None
-
-    def prompt_rows(self) -> list[dict[str, Any]]:
-        return self.inner.prompt_rows()
-
-    def task_name(self, task: Any) -> str | None:
-        """The served task a prompt is (TRL hands create() the prompt only), for the rollout log."""
-        if self._names is None:
-            self._names = {_text(row["prompt"]): row.get("task_name") for row in self.prompt_rows()}
-        return self._names.get(_text(task))
+        self.names = {_text(row["prompt"]): row.get("task_name") for row in self.inner.prompt_rows()}
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> GuardedSession:
-        name = None
+        name = self.names.get(_text(task))
         try:
-            name = self.task_name(task)
             session = self.inner.create(task, seed=seed, episode_id=episode_id)
         except Exception as error:
             self.ledger.record("create", describe(error), task=name)

@@ -48,11 +48,8 @@ def lora_layers_by_weight(model: torch.nn.Module) -> dict[int, LoraLayer]:
 
 
 def merged_weight(layer: LoraLayer, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cast(W + Σ get_delta_weight) over the active adapters, bit-equal to PEFT's merge, then the cast.
-
-    PEFT's `W += delta` rounds to W's dtype after each adapter, so every sum but the last, and the last too when W is
-    neither fp32 nor the sent dtype, is rounded to W's dtype; the last is otherwise rounded once, into `dtype`.
-    """
+    """cast(W + Σ get_delta_weight) over the active adapters, bit-equal to PEFT's merge (which rounds each sum to W's
+    dtype) then the cast: the last sum is rounded once, into `dtype`, where W is fp32 or already `dtype`."""
     if not isinstance(layer, LoraLinear):
         raise recipe.ConfigError(f"{type(layer).__name__} LoRA layers are not streamable merge-free: WEIGHT_SYNC=stock")
     adapters = [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]

@@ -67,7 +67,7 @@ class Chain:
 
         factory = self.factory(**overrides)
         guarded = train_rollouts.guarded(factory, ledger)(sampling=factory.keywords["sampling"])
-        prompts = {r["task_name"]: r["prompt"] for r in guarded.prompt_rows()}
+        prompts = {r["task_name"]: r["prompt"] for r in guarded.inner.prompt_rows()}
 
         def one(task: str) -> tuple:
             try:
