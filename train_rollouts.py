@@ -161,10 +161,8 @@ class GuardedSession:
         self.capture: Capture | None = None  # set once the trace passed fetch_training_trace's checks
         self._phase = "new"  # -> "waiting" -> "ended" (the wait returned or raised) -> "recorded"; or -> "stopped"
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)  # the rest of the session API (initial_messages, list_tools, result, ...)
+    def __getattr__(self, name: str) -> Any:  # the rest of the session API (initial_messages, list_tools, result, ...)
+        return getattr(self.__dict__.get("inner"), name)  # AttributeError, not recursion, before __init__
 
     def _fail(self, failure: str, error: str) -> RolloutFailure:
         if self.failure is None:
