@@ -133,9 +133,8 @@ def train(
     newest = adapter_repo.complete_checkpoints(files)[-1:] if settings.resume else []
     resumed_from = newest[0] if newest else None
     if has_final and (resumed_from or 0) < settings.max_steps:
-        start = f"{adapter_repo.checkpoint_name(resumed_from)} (step {resumed_from})" if resumed_from else "step 0"
         raise recipe.ConfigError(
-            f"{settings.adapter_repo} already holds a final adapter, which training from {start} to "
+            f"{settings.adapter_repo} already holds a final adapter, which training from step {resumed_from or 0} to "
             f"MAX_STEPS={settings.max_steps} would replace: evaluate it with `launch.py eval`, or train into a new "
             "ADAPTER_REPO")
     if not settings.resume:

@@ -53,7 +53,6 @@ class Ledger:
             "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
-        self.log_path = self.path.with_name(recipe.ROLLOUT_LOG_NAME)
         self._sample: deque[dict[str, Any]] = deque(maxlen=recipe.TRAJECTORY_SAMPLE)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         recipe.write_json(self.path, self.state)
@@ -89,7 +88,7 @@ class Ledger:
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
             outcome = failure or ("timed_out" if timed_out else "scored")
-            with self.log_path.open("a") as log:
+            with self.path.with_name(recipe.ROLLOUT_LOG_NAME).open("a") as log:
                 log.write(json.dumps({"task": task, "outcome": outcome, "reward": reward, **ends, "error": error[:500],
                                       "trial": str(trial) if trial else None,
                                       "trial_kept": trial.exists() if trial else None, "at": state["updated"]}) + "\n")
