@@ -62,8 +62,7 @@ class Heartbeat(TrainerCallback):
         self.path = Path(path)
 
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(f"{state.global_step} {time.time():.0f}\n")
+        recipe.write_atomic(self.path, f"{state.global_step} {time.time():.0f}\n")  # refresh_heartbeat reads it
 
     on_train_begin = on_step_end
 

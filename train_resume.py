@@ -81,19 +81,15 @@ class ResumePosition:
         self._skipped: frozenset[int] = frozenset()  # CONSUMED_AHEAD of the checkpoint this start resumed from
         super().__init__(*args, **kwargs)
 
-    def _positioned(self) -> bool:
-        return isinstance(getattr(self, "rollout_worker", None), AsyncRolloutWorker)
-
     def begin_start(self, resume_from_checkpoint: str | None) -> None:
         """Before TRL's own resume reads `prompt_index`: forget the last start's groups, read CONSUMED_AHEAD from
         the checkpoint, and pass it and a fresh empty-groups file to the rollout child (started on train begin)."""
         self._taken, self._skipped = set(), frozenset()
         self._empty_file = Path(self.args.output_dir) / EMPTY_GROUPS_FILE
-        if not self._positioned():
+        if not isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own test: a worker with a position
             return
         saved = recipe.read_json(Path(resume_from_checkpoint) / ROLLOUT_STATE) if resume_from_checkpoint else None
         self._skipped = frozenset((saved or {}).get(CONSUMED_AHEAD, []))
-        self._empty_file.parent.mkdir(parents=True, exist_ok=True)
         recipe.write_json(self._empty_file, [])  # a file left by an earlier start would name another start's groups
         self.rollout_worker._loop_kwargs.update(consumed_ahead=sorted(self._skipped),
                                                 empty_groups_file=str(self._empty_file))
@@ -110,7 +106,7 @@ class ResumePosition:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """TRL's checkpoint, then its `rollout_state.json` rewritten with this start's consumed groups."""
         super()._save_checkpoint(model, trial)
-        if not (self.accelerator.is_main_process and self._positioned()):
+        if not (self.accelerator.is_main_process and isinstance(self.rollout_worker, AsyncRolloutWorker)):
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         state_file = folder / ROLLOUT_STATE

@@ -54,8 +54,7 @@ class Ledger:
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
         self._sample: deque[dict[str, Any]] = deque(maxlen=recipe.TRAJECTORY_SAMPLE)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_json(self.path, self.state)
+        recipe.write_json(self.path, self.state)  # its folder too, before the rollout log's first line
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
                timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0,
