@@ -116,9 +116,8 @@ def build_trainer(
 def train(
     settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
 ) -> None:
-    """Resume from the newest complete checkpoint, train, then push the final adapter with the model card to the repo
-    root; not when STOP_AFTER_STEP ended the run early. A start at or past MAX_STEPS trains nothing
-    (finish_trained_run); a final adapter already at the root is never replaced."""
+    """Resume from the newest complete checkpoint, train, then push the final adapter with its model card to the repo
+    root (not after STOP_AFTER_STEP); a final adapter already at the root is never replaced."""
     import torch
     from huggingface_hub import HfApi
 
@@ -169,9 +168,8 @@ def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int
 
 
 def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int, has_final: bool) -> None:
-    """A start at or past MAX_STEPS (after a failed final push or final eval) trains nothing: transformers would run
-    one more step and push checkpoint-(MAX_STEPS+1). It pushes the final adapter from the newest checkpoint if the root
-    lacks it; run_job.sh then goes on to the final eval."""
+    """A start at or past MAX_STEPS (after a failed final push or eval) trains nothing, where transformers would run
+    one more step; it pushes the final adapter from the newest checkpoint if the root lacks it."""
     logger.info("%s is at step %d (MAX_STEPS=%d): nothing to train; %s", settings.adapter_repo, step,
                 settings.max_steps, "the root holds the final adapter" if has_final else f"pushing {checkpoint.name}")
     if has_final:

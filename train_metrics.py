@@ -107,9 +107,8 @@ class StepObjective:
         return loader
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        """Tell each micro-batch the step's mean tokens per micro-batch as its `global_n_tokens`: TRL divides each one's
-        summed token loss by that and by their number, i.e. by the step's tokens (one sample per row would otherwise
-        weigh a 150-token answer's tokens 50x an 8,000-token trace's)."""
+        """Each micro-batch's `global_n_tokens` is the step's mean per micro-batch, so TRL divides the summed token
+        loss by the step's tokens (else a 150-token answer's tokens would weigh 50x an 8,000-token trace's)."""
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batches:
             mean = sum(float(b["global_n_tokens"][0]) for b in batches) / len(batches)
