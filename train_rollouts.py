@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 import recipe
 import trajectories
-from adapter_repo import describe
 from sandbox_lifecycle import SETUP_KEY, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
@@ -140,6 +139,10 @@ def _trl_capture(trace: Any) -> Capture:
     sequences, tally = _chain_to_sequences(turns, "guard-check", 0)
     cut = sum((t.response.get("choices") or [{}])[0].get("finish_reason") == "length" for t in trace.turns)
     return Capture(sequences, tally["fork"] > 0, sum(_tool_call_counts_by_name(entries).values()), cut)
+
+
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"  # all of it: the ledger's last_error and the rollout log keep the detail
 
 
 def _text(prompt: Any) -> str:
