@@ -1,8 +1,5 @@
-"""The trainer's callbacks: checkpoint push, heartbeat, run log, stop after step N.
-
-Apart from train_lora.py, which imports it only to build the trainer: transformers' TrainerCallback costs ~8 s of CPU,
-which `train_lora.py --help` and `--dry-run` should not pay.
-"""
+"""The trainer's callbacks: checkpoint push, heartbeat, run log, stop after step N (apart from train_lora.py, whose
+--dry-run should not pay the ~8 s that importing transformers' TrainerCallback costs)."""
 
 from __future__ import annotations
 
@@ -23,9 +20,8 @@ logger = logging.getLogger("train_lora")
 
 
 class CheckpointPusher(TrainerCallback):
-    """Pushes each saved checkpoint-N/ to the adapter repo (transformers v5 has no PushToHubCallback), and in the same
-    commit the work folder's records under logs/<job>/ (the step log, the rollout counts and log, the checkpoint's
-    trajectory sample) and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
+    """Pushes each saved checkpoint-N/ to the adapter repo and, in the same commit, the work folder's records under
+    logs/<job>/ and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
 
     def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job",
                  **push_kwargs: Any) -> None:
@@ -60,32 +56,20 @@ class CheckpointPusher(TrainerCallback):
 
 
 class Heartbeat(TrainerCallback):
-    """Rewrites `<step> <time>` after every optimizer step (run_job.sh's watchdog fails the job when it goes stale)
-    and logs the rollout ledger's counts beside it."""
+    """Rewrites `<step> <time>` after every optimizer step (run_job.sh's watchdog fails the job when it goes stale)."""
 
     def __init__(self, path: str) -> None:
         self.path = Path(path)
 
-    def beat(self, step: int) -> None:
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self.path.write_text(f"{step} {time.time():.0f}\n")
-
-    def on_train_begin(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.beat(state.global_step)
-
     def on_step_end(self, args: TrainingArguments, state: TrainerState, control: TrainerControl, **_: Any) -> None:
-        self.beat(state.global_step)
-        counts = recipe.read_json(recipe.work_file(self.path, recipe.LEDGER_NAME))
-        if counts:
-            logger.info("step %d rollouts: %d finished, %d scored, %d timed out, %d unscorable %s", state.global_step,
-                        counts["rollouts"], counts["scored"], counts["timed_out"], counts["unscorable_total"],
-                        json.dumps(counts["unscorable"]))
+        recipe.write_atomic(self.path, f"{state.global_step} {time.time():.0f}\n")  # refresh_heartbeat reads it
+
+    on_train_begin = on_step_end
 
 
 class RunLog(TrainerCallback):
-    """Appends each trainer start and every logged step to train_log.json, rewritten atomically, across resumed
-    starts (the smoke report reads it): {schema, starts: [{at, resumed_from, global_step, max_steps}], logs: [{start,
-    step, ...}]}."""
+    """Appends each trainer start and every logged step to train_log.json across resumed starts (the smoke report
+    reads it; docs/training.md gives its schema)."""
 
     def __init__(self, path: str | Path, resumed_from: int | None) -> None:
         self.path, self.resumed_from = Path(path), resumed_from

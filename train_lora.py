@@ -1,14 +1,9 @@
-"""Async GRPO with LoRA on LFM2.5-2.6B inside the OpenCode harness (TRL 1.15 AsyncGRPOTrainer).
-
-Run by run_job.sh on GPU 0, beside vLLM (GPU 1) and the OpenEnv Harbor env server. Every knob comes from recipe.py;
-the environment says where things are (docs/training.md lists it):
+"""Async GRPO with LoRA on LFM2.5-2.6B inside the OpenCode harness (TRL 1.15 AsyncGRPOTrainer), run by run_job.sh.
 
     ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL HF_TOKEN=hf_... CUDA_VISIBLE_DEVICES=0 python3 train_lora.py
     ADAPTER_REPO=you/x .venv/bin/python train_lora.py --dry-run   # the resolved configuration; loads nothing
 
-In the recipe's order: the trainer, its rollout worker, the reward, the LoRA, the callbacks; then the settings.
-Each checkpoint-N/ is pushed to ADAPTER_REPO in one commit ending in its completion marker; a relaunch (RESUME=1)
-continues from the newest complete one.
+In the recipe's order: trainer, rollout worker, reward, LoRA, callbacks; then the settings (docs/training.md).
 """
 
 from __future__ import annotations
@@ -26,7 +21,6 @@ from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
-from urllib.parse import urlparse
 
 import adapter_repo
 import dashboard
@@ -45,11 +39,8 @@ logger = logging.getLogger("train_lora")
 
 # --- 1. Trainer -------------------------------------------------------------------------------------------------------
 def grpo_config(settings: Settings) -> AsyncGRPOConfig:
-    """The trainer's config: recipe numbers plus this run's steps, URLs and output directory.
-
-    The base loads at the pinned revision, config included: without `architecture`, TRL 1.15 reads the config from
-    `main` to pick the model class.
-    """
+    """The trainer's config: recipe numbers plus this run's steps, URLs and output directory. The base loads at the
+    pinned revision, config included (without `architecture`, TRL 1.15 reads the config from `main`)."""
     from transformers import AutoModelForCausalLM
     from trl.experimental.async_grpo import AsyncGRPOConfig
 
@@ -62,7 +53,6 @@ def grpo_config(settings: Settings) -> AsyncGRPOConfig:
         bf16=settings.device == "cuda",
         learning_rate=settings.learning_rate,
         max_steps=settings.max_steps,
-        save_strategy="steps",
         save_steps=settings.save_steps,
         num_generations=recipe.NUM_GENERATIONS,
         max_completion_length=recipe.MAX_TOKENS,
@@ -91,7 +81,7 @@ def trainer_class(weight_sync: str) -> type[AsyncGRPOTrainer]:
     import train_resume
     import train_weight_sync
 
-    base = train_weight_sync.trainer_class(weight_sync)
+    base = train_weight_sync.TRAINERS[weight_sync]
     return type(base.__name__, (train_resume.ResumePosition, train_metrics.StepObjective, base),
                 {"__module__": base.__module__, "__doc__": base.__doc__})
 
@@ -101,6 +91,8 @@ def build_trainer(
     resumed_from: int | None = None,
 ) -> AsyncGRPOTrainer:
     """The trainer with its worker, LoRA and callbacks, counting the rollout ledger's growth per step."""
+    from huggingface_hub import HfApi
+
     import train_metrics
 
     factory = factory if factory is not None else session_factory(settings)
@@ -111,51 +103,49 @@ def build_trainer(
         args=grpo_config(settings),
         train_dataset=dataset,
         processing_class=tokenizer,
-        callbacks=callbacks(settings, api if api is not None else hub_api(settings), resumed_from),
+        callbacks=callbacks(settings, api if api is not None else HfApi(token=settings.hf_token), resumed_from),
         peft_config=lora_config(),
         rollout_worker=rollout_worker(settings, tokenizer, dataset, factory),
         weight_transfer=weight_transfer,
     )
+    trainer.rollout_worker._loop_kwargs["eos_token_ids"] = trainer.eos_token_ids  # read at the child's start
     train_metrics.attach(trainer, recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
     return trainer
-
-
-def hub_api(settings: Settings) -> Any:
-    from huggingface_hub import HfApi
-
-    return HfApi(token=settings.hf_token)
 
 
 def train(
     settings: Settings, *, factory: Callable[..., Any] | None = None, weight_transfer: Any = None, api: Any = None
 ) -> None:
-    """Resume from the newest complete checkpoint, train, then push the final adapter with the model card to the repo
-    root; not when STOP_AFTER_STEP ended the run early. A start at or past MAX_STEPS trains nothing
-    (finish_trained_run); a final adapter already at the root is never replaced."""
+    """Resume from the newest complete checkpoint, train, then push the final adapter with its model card to the repo
+    root (not after STOP_AFTER_STEP); a final adapter already at the root is never replaced."""
     import torch
+    from huggingface_hub import HfApi
 
     import train_metrics
 
     if settings.device == "cuda" and not torch.cuda.is_available():
         raise recipe.ConfigError("DEVICE=cuda but no CUDA device is visible: check CUDA_VISIBLE_DEVICES, or DEVICE=cpu")
-    api = api if api is not None else hub_api(settings)
+    api = api if api is not None else HfApi(token=settings.hf_token)
     adapter_repo.require_write_access(api, settings.adapter_repo)  # before any model loads, not at step 100
     files = api.list_repo_files(settings.adapter_repo)
     has_final = adapter_repo.checkpoint_complete(files, adapter_repo.FINAL)
     newest = adapter_repo.complete_checkpoints(files)[-1:] if settings.resume else []
-    if has_final and not (newest and newest[0] >= settings.max_steps):
-        start = f"{adapter_repo.checkpoint_name(newest[0])} (step {newest[0]})" if newest else "step 0"
+    resumed_from = newest[0] if newest else None
+    if has_final and (resumed_from or 0) < settings.max_steps:
         raise recipe.ConfigError(
-            f"{settings.adapter_repo} already holds a final adapter, which training from {start} to "
+            f"{settings.adapter_repo} already holds a final adapter, which training from step {resumed_from or 0} to "
             f"MAX_STEPS={settings.max_steps} would replace: evaluate it with `launch.py eval`, or train into a new "
             "ADAPTER_REPO")
     if not settings.resume:
         adapter_repo.refuse_fresh_start(settings.adapter_repo, files)
-    resume_dir = resume_checkpoint(api, settings.adapter_repo, settings.output_dir) if settings.resume else None
-    resumed_from = int(resume_dir.name.removeprefix(adapter_repo.CHECKPOINT_PREFIX)) if resume_dir else None
-    if resume_dir is not None and resumed_from is not None and resumed_from >= settings.max_steps:
-        finish_trained_run(api, settings, resume_dir, resumed_from, has_final)
-        return
+    resume_dir = None
+    if resumed_from is not None:  # the newest complete checkpoint; a half-pushed one has no marker
+        resume_dir = adapter_repo.download_checkpoint(api, settings.adapter_repo, resumed_from,
+                                                      Path(settings.output_dir))
+        logger.info("resuming from %s/%s", settings.adapter_repo, resume_dir.name)
+        if resumed_from >= settings.max_steps:
+            finish_trained_run(api, settings, resume_dir, resumed_from, has_final)
+            return
     trainer = build_trainer(settings, factory=factory, weight_transfer=weight_transfer, api=api,
                             resumed_from=resumed_from)
     trainer.train(resume_from_checkpoint=str(resume_dir) if resume_dir else None)
@@ -168,17 +158,6 @@ def train(
     push_final_adapter(api, settings, final_dir, trainer.state.global_step, train_metrics.dashboard_url(trainer))
 
 
-def resume_checkpoint(api: Any, repo_id: str, output_dir: str) -> Path | None:
-    """Download the newest complete checkpoint from the adapter repo into `output_dir`, or None if there is none."""
-    steps = adapter_repo.complete_checkpoints(api.list_repo_files(repo_id))
-    if not steps:
-        logger.info("no complete checkpoint in %s: training from step 0", repo_id)
-        return None
-    local = adapter_repo.download_checkpoint(api, repo_id, steps[-1], Path(output_dir))
-    logger.info("resuming from %s/%s", repo_id, local.name)
-    return local
-
-
 def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int, dashboard_url: str | None) -> None:
     """The final adapter at the repo root with the training repo's model card, in one commit."""
     import model_cards
@@ -189,15 +168,12 @@ def push_final_adapter(api: Any, settings: Settings, final_dir: Path, steps: int
 
 
 def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int, has_final: bool) -> None:
-    """A start at or past MAX_STEPS (after a failed final push or final eval) trains nothing: transformers would run
-    one more step and push checkpoint-(MAX_STEPS+1). It pushes the final adapter from the newest checkpoint if the root
-    lacks it; run_job.sh then goes on to the final eval."""
+    """A start at or past MAX_STEPS (after a failed final push or eval) trains nothing, where transformers would run
+    one more step; it pushes the final adapter from the newest checkpoint if the root lacks it."""
+    logger.info("%s is at step %d (MAX_STEPS=%d): nothing to train; %s", settings.adapter_repo, step,
+                settings.max_steps, "the root holds the final adapter" if has_final else f"pushing {checkpoint.name}")
     if has_final:
-        logger.info("%s is at step %d (MAX_STEPS=%d) and its root holds the final adapter: nothing to train or push",
-                    settings.adapter_repo, step, settings.max_steps)
         return
-    logger.info("%s is at step %d (MAX_STEPS=%d): nothing to train; pushing the final adapter from %s",
-                settings.adapter_repo, step, settings.max_steps, checkpoint.name)
     final_dir = Path(settings.output_dir) / "final"
     shutil.copytree(checkpoint, final_dir, dirs_exist_ok=True,
                     ignore=shutil.ignore_patterns(*adapter_repo.FINAL_ADAPTER_IGNORE, adapter_repo.COMPLETE_MARKER))
@@ -209,10 +185,7 @@ def finish_trained_run(api: Any, settings: Settings, checkpoint: Path, step: int
 # --- 2. Rollout worker: tasks, tokenizer, sessions --------------------------------------------------------------------
 def session_factory(settings: Settings) -> functools.partial:
     """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py), rebuilt in TRL's spawned rollout child.
-
-    `agent_step_limit` has the capture proxy enforce the model-call budget: in loop-owning mode TRL's own
-    `max_tool_calling_iterations` never reaches the agent.
-    """
+    The capture proxy enforces the call budget (`agent_step_limit`): TRL's own never reaches a loop-owning agent."""
     from harbor_sessions import HarborSessionFactory
 
     return functools.partial(
@@ -233,9 +206,7 @@ def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset
     list's fixed order: TRL iterates this dataset unshuffled from a resume position, on every start."""
     from datasets import Dataset
 
-    rows = factory().prompt_rows()
-    if not rows:
-        raise recipe.ConfigError("the env server serves no tasks: check the --dataset given to the env server")
+    rows = factory().prompt_rows()  # in_list_order refuses tasks other than the list's, none included
     return Dataset.from_list(prepare_tasks.in_list_order(rows, Path(task_data), "train"))
 
 
@@ -253,33 +224,21 @@ def load_tokenizer(settings: Settings) -> PreTrainedTokenizerBase:
     return tokenizer
 
 
-def eos_token_ids(settings: Settings, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Every id that ends a completion: the tokenizer's eos and the generation config's (TRL's rule for its worker)."""
-    from transformers import GenerationConfig
-
-    try:
-        declared = GenerationConfig.from_pretrained(settings.model, revision=settings.revision).eos_token_id
-    except OSError:  # No generation_config.json: the tokenizer's eos is the only one.
-        declared = None
-    ids = [] if declared is None else [declared] if isinstance(declared, int) else list(declared)
-    return ids if tokenizer.eos_token_id in ids else [tokenizer.eos_token_id, *ids]
-
-
 def rollout_worker(
     settings: Settings, tokenizer: PreTrainedTokenizerBase, dataset: Dataset, factory: Callable[..., Any]
 ) -> HarnessRolloutWorker:
-    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none).
+    """TRL's HarnessRolloutWorker in loop-owning mode, given every knob itself (the trainer forwards none); sessions go
+    through the rollout guard (train_rollouts), and a finished rollout dates the heartbeat while the trainer waits."""
+    from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker
 
-    Its sessions go through the rollout guard (train_rollouts); its loop resumes at the checkpoint's position
-    (train_resume) and stamps each row's metrics (train_metrics); while the trainer waits on it, each finished
-    rollout dates the heartbeat.
-    """
+    import train_resume
     import train_rollouts
-    from train_resume import PositionedRolloutWorker
 
     ledger = recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME)
 
-    class ProgressWorker(PositionedRolloutWorker):
+    class ProgressWorker(HarnessRolloutWorker):
+        _loop_cls = train_resume.PositionedRolloutLoop  # the child's: resumes at the position, stamps row metrics
+
         def check_health(self, stale_after_s: float) -> None:
             """TRL calls this every few seconds while the trainer waits for samples (and nowhere else)."""
             super().check_health(stale_after_s)
@@ -293,7 +252,7 @@ def rollout_worker(
         dataset=dataset,
         reward_funcs=[],
         processing_class=tokenizer,
-        eos_token_ids=eos_token_ids(settings, tokenizer),
+        eos_token_ids=[],  # build_trainer sets TRL's own once the model is loaded
         vllm_server_url=args.vllm_server_base_url,
         max_tokens=args.max_completion_length,
         harness_session_factory=train_rollouts.guarded(factory, ledger),
@@ -304,11 +263,8 @@ def rollout_worker(
 
 # --- 3. Reward --------------------------------------------------------------------------------------------------------
 def reward(outcome: HarnessRolloutOutcome) -> float | None:
-    """Correctness plus a tool-efficiency bonus only a correct answer earns (recipe.py's Reward note weighs it).
-
-    `None` when the verifier did not run: TRL leaves the rollout out of the group baseline instead of learning that a
-    crashed sandbox is as bad as a wrong answer.
-    """
+    """Correctness plus a tool-efficiency bonus only a correct answer earns (recipe.py's Reward note weighs it); None
+    when the verifier did not run, so TRL leaves the rollout out of the group baseline instead of scoring it wrong."""
     if outcome.env_reward is None:
         return None
     score = recipe.CORRECT_REWARD * outcome.env_reward
@@ -335,13 +291,8 @@ def lora_config() -> LoraConfig:
 
 
 def conv_safe_batching() -> dict[str, int]:
-    """AsyncGRPOConfig fields that give every training row exactly one sample.
-
-    TRL 1.15 packs samples into a row with `position_ids` only; attention respects the resets, LFM2's short conv does
-    not (torch's `causal_conv1d_fn` ignores `seq_idx`), so a sample would read the previous one's tail.
-    `token_budget=0` selects TRL's fixed-count batcher; gradient accumulation keeps one GRPO group per step, and
-    train_metrics.StepObjective keeps the loss token-level over it.
-    """
+    """AsyncGRPOConfig fields that give every row one sample: in a packed row LFM2's short conv reads the previous
+    sample's tail (docs/pitfalls.md). One GRPO group a step; train_metrics.StepObjective keeps the loss token-level."""
     return {"token_budget": 0, "per_device_train_batch_size": 1, "gradient_accumulation_steps": recipe.NUM_GENERATIONS}
 
 
@@ -351,14 +302,13 @@ def callbacks(settings: Settings, api: Any, resumed_from: int | None) -> list[Tr
     import train_callbacks
 
     work_dir = Path(settings.heartbeat_file).parent
-    chosen = [
+    stop = [train_callbacks.StopAfterStep(settings.stop_after_step)] if settings.stop_after_step else []
+    return [
         train_callbacks.Heartbeat(settings.heartbeat_file),
         train_callbacks.CheckpointPusher(api, settings.adapter_repo, work_dir, dashboard.job_id(os.environ)),
         train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
+        *stop,
     ]
-    if settings.stop_after_step:
-        chosen.append(train_callbacks.StopAfterStep(settings.stop_after_step))
-    return chosen
 
 
 # --- Settings and command line ----------------------------------------------------------------------------------------
@@ -377,7 +327,6 @@ class Settings:
     max_staleness: int = recipe.MAX_STALENESS
     vllm_url: str = f"http://{recipe.LOOPBACK}:{recipe.VLLM_PORT}"
     env_url: str = f"http://{recipe.LOOPBACK}:{recipe.ENV_PORT}"
-    capture_url: str = ""
     train_split: str = ""
     task_data: str = str(prepare_tasks.DATA_DIR)  # folder of train.json, whose order is the trained order
     output_dir: str = "outputs"
@@ -397,78 +346,38 @@ class Settings:
         return None if Path(self.model).is_dir() else self.model_revision
 
 
-def _url(env: Mapping[str, str], name: str, default: str) -> str:
-    value = env.get(name, "").strip() or default
-    parsed = urlparse(value)
-    if value and (parsed.scheme not in ("http", "https") or not parsed.hostname):
-        raise recipe.ConfigError(f"{name}={value!r} is not an http(s) URL: use e.g. http://127.0.0.1:8000")
-    return value.rstrip("/")
+# Environment knobs (recipe.knob reads and checks each), then where things are (read as given).
+KNOBS = ("MAX_STEPS", "SAVE_STEPS", "LEARNING_RATE", "MAX_STALENESS", "RESUME", "STOP_AFTER_STEP", "WEIGHT_SYNC",
+         "SANDBOX", "REPORT_TO")
+PLACES = ("MODEL", "MODEL_REVISION", "SERVED_MODEL_NAME", "VLLM_URL", "ENV_URL", "TRAIN_SPLIT", "TASK_DATA",
+          "OUTPUT_DIR", "HEARTBEAT_FILE", "DEVICE")
 
 
 def settings_from_env(env: Mapping[str, str] = os.environ, *, need_token: bool = True) -> Settings:
     """Read and validate the run's settings (recipe.knob's checks, the ones run_job.sh's preflight runs); a bad value
     raises ConfigError with one line saying the fix. Only a real run needs the token."""
-    output_dir = env.get("OUTPUT_DIR", "").strip() or Settings.output_dir
-    sandbox = recipe.knob("SANDBOX", env)
-    max_steps = recipe.knob("MAX_STEPS", env)
-    stop_after_step = recipe.knob("STOP_AFTER_STEP", env)
-    if stop_after_step >= max_steps:
-        raise recipe.ConfigError(f"STOP_AFTER_STEP={stop_after_step} must be 0 (off) or a step below "
-                                 f"MAX_STEPS={max_steps}")
-    capture_url = _url(env, "CAPTURE_URL", "")
-    if capture_url and urlparse(capture_url).hostname in ("127.0.0.1", "localhost"):  # every backend is remote
-        raise recipe.ConfigError(
-            f"CAPTURE_URL={capture_url!r} is loopback, but SANDBOX={sandbox} runs agents on other machines: "
-            "use the job's public URL, e.g. https://<job-id>--8000.hf.jobs/capture"
-        )
-    device = env.get("DEVICE", "").strip() or Settings.device
-    if device not in ("cuda", "cpu"):
-        raise recipe.ConfigError(f"DEVICE={device!r} is not one of cuda, cpu")
+    given = {name.lower(): env[name].strip() for name in PLACES if env.get(name, "").strip()}
+    if given.get("device", Settings.device) not in ("cuda", "cpu"):
+        raise recipe.ConfigError(f"DEVICE={given['device']!r} is not one of cuda, cpu")
+    given.setdefault("heartbeat_file", str(Path(given.get("output_dir", Settings.output_dir)) / recipe.HEARTBEAT_NAME))
     return Settings(
         adapter_repo=recipe.require_repo_id(env.get("ADAPTER_REPO", "").strip(), "ADAPTER_REPO"),
         hf_token=recipe.require_token(dict(env)) if need_token else env.get("HF_TOKEN", "").strip(),
-        model=env.get("MODEL", "").strip() or recipe.BASE_MODEL,
-        model_revision=env.get("MODEL_REVISION", "").strip() or recipe.BASE_MODEL_REVISION,
-        served_model_name=env.get("SERVED_MODEL_NAME", "").strip() or recipe.SERVED_MODEL_NAME,
-        max_steps=max_steps,
-        save_steps=recipe.knob("SAVE_STEPS", env),
-        learning_rate=recipe.knob("LEARNING_RATE", env),
-        max_staleness=recipe.knob("MAX_STALENESS", env),
-        vllm_url=_url(env, "VLLM_URL", Settings.vllm_url),
-        env_url=_url(env, "ENV_URL", Settings.env_url),
-        capture_url=capture_url,
-        train_split=env.get("TRAIN_SPLIT", "").strip(),
-        task_data=env.get("TASK_DATA", "").strip() or Settings.task_data,
-        output_dir=output_dir,
-        heartbeat_file=env.get("HEARTBEAT_FILE", "").strip() or str(Path(output_dir) / recipe.HEARTBEAT_NAME),
-        resume=recipe.knob("RESUME", env),
-        stop_after_step=stop_after_step,
-        weight_sync=recipe.knob("WEIGHT_SYNC", env),
-        sandbox=sandbox,
-        device=device,
-        report_to=recipe.knob("REPORT_TO", env),
         dashboard_space=dashboard.space(env),
         run_name=dashboard.run_name("train", env),
+        **{name.lower(): recipe.knob(name, env) for name in KNOBS},
+        **given,
     )
 
 
 def resolved_config(settings: Settings) -> dict[str, Any]:
-    """What --dry-run prints: the settings (no token) and every recipe number the run uses (the LoRA's read from
-    recipe.py as lora_config() passes them: importing PEFT would cost the dry run 8 s)."""
-    return {
-        **{k: v for k, v in asdict(settings).items() if k != "hf_token"},
-        "dtype": recipe.TRAINER_DTYPE,
-        "lora": {"r": recipe.LORA_R, "alpha": recipe.LORA_ALPHA, "dropout": recipe.LORA_DROPOUT,
-                 "target_modules": sorted(recipe.LORA_TARGET_MODULES)},
-        "sampling": {"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.TOP_K,
-                     "max_tokens": recipe.MAX_TOKENS},
-        "max_tool_calling_iterations": recipe.MAX_TOOL_CALLING_ITERATIONS,
-        "num_generations": recipe.NUM_GENERATIONS,
-        "batching": conv_safe_batching(),
-        "reward": {"correct": recipe.CORRECT_REWARD, "tool_bonus": recipe.TOOL_BONUS,
-                   "tool_budget": recipe.TOOL_BUDGET, "unscorable": None},
-        "urls": {"vllm": settings.vllm_url, "env": settings.env_url, "capture": settings.capture_url},
-    }
+    """What --dry-run prints: the settings (no token) and the recipe numbers the run uses, read from recipe.py as the
+    builders pass them (importing PEFT and TRL would cost the dry run 10 s)."""
+    numbers = ("TRAINER_DTYPE", "NUM_GENERATIONS", "TEMPERATURE", "TOP_P", "TOP_K", "MAX_TOKENS",
+               "MAX_TOOL_CALLING_ITERATIONS", "LORA_R", "LORA_ALPHA", "LORA_DROPOUT", "LORA_TARGET_MODULES",
+               "CORRECT_REWARD", "TOOL_BONUS", "TOOL_BUDGET")
+    return {**{k: v for k, v in asdict(settings).items() if k != "hf_token"}, "batching": conv_safe_batching(),
+            "recipe": {name: getattr(recipe, name) for name in numbers}}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -493,17 +402,13 @@ def run(dry_run: bool) -> None:
     except (recipe.ConfigError, adapter_repo.Failure):
         raise  # already one line (a relaunch resumes from the last checkpoint)
     except Exception as error:
-        stopped = systematic_stop(settings, started)
-        if stopped:  # TRL re-raises the rollout guard's stop wrapped: its one-line verdict is the reason
-            raise adapter_repo.Failure(stopped) from error
+        ledger = recipe.read_json(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
+        if ledger and ledger["started"] >= started and ledger.get("stopped"):  # the rollout guard's verdict,
+            raise adapter_repo.Failure(ledger["stopped"]) from error  # which TRL re-raises wrapped
         full = disk_full(settings.output_dir)
         if full:
             raise adapter_repo.Failure(f"{full} ({adapter_repo.describe(error)})") from error
         raise
-
-
-# A checkpoint (adapter + optimizer state) is ~0.5 GB: with less than twice that free, the disk is full for this run.
-DISK_FULL_BELOW_BYTES = 2**30
 
 
 def disk_full(folder: str) -> str | None:
@@ -513,16 +418,10 @@ def disk_full(folder: str) -> str | None:
     while not path.exists():
         path = path.parent
     usage = shutil.disk_usage(path)
-    if usage.free >= DISK_FULL_BELOW_BYTES:
+    if usage.free >= 2**30:  # a checkpoint (adapter + optimizer state) is ~0.5 GB: under twice that, the disk is full
         return None
     return (f"the disk holding {folder} is full ({usage.free / 2**20:.1f} MB free of {usage.total / 2**20:.0f} MB): "
             "free space there or set OUTPUT_DIR to a larger disk, then relaunch to resume from the last checkpoint")
-
-
-def systematic_stop(settings: Settings, since: float) -> str | None:
-    """The rollout guard's one-line verdict if it stopped this run."""
-    ledger = recipe.read_json(recipe.work_file(settings.heartbeat_file, recipe.LEDGER_NAME))
-    return ledger.get("stopped") if ledger and ledger["started"] >= since else None
 
 
 if __name__ == "__main__":

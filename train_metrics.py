@@ -1,16 +1,15 @@
-"""What one optimizer step optimises and logs on top of TRL 1.15 (docs/training.md "Reading the dashboard" reads it).
-
-StepObjective, mixed into the trainer class, makes the loss token-level over the step's one-sample rows and logs the
-step's learning signals and the rollout ledger's growth; RecipeRolloutLoop, in the rollout child, stamps each row with
-the facts only its group knows.
+"""What one optimizer step optimises and logs on top of TRL 1.15: StepObjective (the trainer's) and RecipeRolloutLoop
+(the rollout child's); docs/training.md "Reading the dashboard" reads the metrics.
 """
 
 from __future__ import annotations
 
 import copy
+import functools
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -19,7 +18,7 @@ from transformers import TrainerState, TrainingArguments
 from transformers.integrations import TrackioCallback
 from transformers.integrations.integration_utils import rewrite_logs
 from trl.experimental.async_grpo.async_rollout_worker import RolloutGroup, RolloutSample
-from trl.experimental.async_grpo.openenv_harness import HarnessRolloutWorker, _HarnessRolloutLoop
+from trl.experimental.async_grpo.openenv_harness import _HarnessRolloutLoop
 
 import dashboard
 import recipe
@@ -37,42 +36,26 @@ ROLLOUT_COUNTS = {f"rollout/{name}_total": key for name, key in (
 TOOL_CALLS_MEAN = "rollout/tool_calls_mean"  # tool calls per scored rollout: a (calls, rollouts) rate, as TRL reduces
 
 
-def group_flags(rewards: list[float | None]) -> dict[str, float]:
-    """Whether a group's scored rewards are all equal (no contrast), or differ only by the tool bonus (every scored
-    rollout equally right or wrong: recipe.py's Reward note says why that still trains)."""
-    scored = [r for r in rewards if r is not None]
-    flat = len(set(scored)) <= 1
-    return {ZERO_CONTRAST: float(flat), BONUS_ONLY: float(not flat and len({r >= recipe.CORRECT_REWARD
-                                                                               for r in scored}) == 1)}
-
-
 class RecipeRolloutLoop(_HarnessRolloutLoop):
-    """TRL's harness loop; each sample it scores also carries its group's flags, its fork and its policy version."""
+    """TRL's harness loop; each sample it scores also carries its fork, its policy version and whether its group's
+    scored rewards are all equal (no contrast) or differ only by the tool bonus (recipe.py's Reward note)."""
 
     async def _score_group(self, group: RolloutGroup) -> list[RolloutSample]:
         samples = await super()._score_group(group)
         forked = [float(len(rows) > 1) for rows in group.completions_sequences for _ in rows]  # TRL's sample order
-        flags = group_flags(list(group.rollout_rewards))
+        scored = [r for r in group.rollout_rewards if r is not None]
+        flat = len(set(scored)) <= 1
+        flags = {ZERO_CONTRAST: float(flat),
+                 BONUS_ONLY: float(not flat and len({r >= recipe.CORRECT_REWARD for r in scored}) == 1)}
         for sample, flag in zip(samples, forked, strict=True):
             sample.metrics.update({**flags, FORKED_FRAC: flag, ZERO_ADVANTAGE: float(sample.advantage == 0.0),
                                    VERSION: float(sample.model_version)})
         return samples
 
 
-class RecipeRolloutWorker(HarnessRolloutWorker):
-    """HarnessRolloutWorker whose spawned loop is RecipeRolloutLoop."""
-
-    _loop_cls = RecipeRolloutLoop
-
-
 class LedgerGrowth:
-    """The rollout ledger's growth since the last look, by dashboard metric (the ledger is written by the rollout
-    child, another process, so this reads its file).
-
-    A rollout is in the ledger before its group is scored, so a step's look counts every rollout the step trains.
-    Only this start's ledger counts (`started` at or after this object was made), and a new ledger (a restarted
-    child) is counted from zero.
-    """
+    """The rollout ledger's growth since the last look, by dashboard metric: only this start's ledger counts, and a
+    new ledger (a restarted child) from zero. A rollout is in it before its group is scored, so a step counts all."""
 
     def __init__(self, ledger_file: str | Path) -> None:
         self.path = Path(ledger_file)
@@ -93,16 +76,11 @@ class LedgerGrowth:
         return counts
 
 
-class _Versioned:
+def _versioned(collate: Callable[[list[Any]], dict[str, Any]], examples: list[Any]) -> dict[str, Any]:
     """TRL's collator, plus each row's policy version (its oldest sample's) as a tensor that travels with the batch."""
-
-    def __init__(self, collate: Any) -> None:
-        self.collate = collate
-
-    def __call__(self, examples: list[Any]) -> dict[str, Any]:
-        (rows,) = examples
-        versions = [min(sample["metrics"].pop(VERSION, math.nan) for sample in row) for row in rows]
-        return {**self.collate(examples), VERSION: torch.tensor(versions)}
+    (rows,) = examples
+    versions = [min(sample["metrics"].pop(VERSION, math.nan) for sample in row) for row in rows]
+    return {**collate(examples), VERSION: torch.tensor(versions)}
 
 
 class _Seen:
@@ -124,15 +102,13 @@ class StepObjective:
 
     def get_train_dataloader(self) -> Any:
         loader = super().get_train_dataloader()
-        base = getattr(loader, "base_dataloader", loader)  # accelerate's dispatcher wraps torch's loader
-        if not isinstance(base.collate_fn, _Versioned):
-            base.collate_fn = _Versioned(base.collate_fn)
+        base = getattr(loader, "base_dataloader", loader)  # accelerate's dispatcher wraps a new loader
+        base.collate_fn = functools.partial(_versioned, base.collate_fn)
         return loader
 
     def get_batch_samples(self, epoch_iterator: Any, num_batches: int, device: Any) -> tuple[list, Any]:
-        """Tell each micro-batch the step's mean tokens per micro-batch as its `global_n_tokens`: TRL divides each one's
-        summed token loss by that and by their number, i.e. by the step's tokens (one sample per row would otherwise
-        weigh a 150-token answer's tokens 50x an 8,000-token trace's)."""
+        """Each micro-batch's `global_n_tokens` is the step's mean per micro-batch, so TRL divides the summed token
+        loss by the step's tokens (else a 150-token answer's tokens would weigh 50x an 8,000-token trace's)."""
         batches, items = super().get_batch_samples(epoch_iterator, num_batches, device)
         if batches:
             mean = sum(float(b["global_n_tokens"][0]) for b in batches) / len(batches)
@@ -189,8 +165,7 @@ class StepObjective:
 
 class SafeTrackioCallback(TrackioCallback):
     """transformers' Trackio callback, started through dashboard.init_run (a Space failure falls back to local logs),
-    logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis.
-    """
+    logging each step at its optimizer step: a resumed run's new job and the eval watcher's points share the x axis."""
 
     url: str | None = None
     SUMMARY_KEYS = ("train_runtime", "train_samples_per_second", "train_steps_per_second", "train_loss", "total_flos")
@@ -221,7 +196,4 @@ def attach(trainer: Any, ledger_file: str | Path) -> None:
 
 def dashboard_url(trainer: Any) -> str | None:
     """The dashboard Space the run logged to, if any (for the model card)."""
-    for callback in trainer.callback_handler.callbacks:
-        if isinstance(callback, SafeTrackioCallback):
-            return callback.url
-    return None
+    return next((c.url for c in trainer.callback_handler.callbacks if isinstance(c, SafeTrackioCallback)), None)

@@ -1,11 +1,5 @@
-"""Where a relaunched trainer resumes in the task stream: after every group already consumed, redoing only the ones
-in flight when the checkpoint was saved.
-
-TRL 1.15 saves `prompt_index` = the lowest group not trained, so a group that scored to no sample (all unscorable) or
-was dropped as stale, which is never trained, holds every later checkpoint back at it. Here a group is consumed once
-the trainer took any of its samples off the rollout queue or the rollout child scored it to no sample;
-`rollout_state.json` keeps TRL's `prompt_index` (the lowest group not consumed) and CONSUMED_AHEAD (the consumed
-groups past it), which the resumed child skips. The rollout child's loop is train_metrics' with this position.
+"""Where a relaunched trainer resumes in the task stream: after every group already consumed (taken off the rollout
+queue, or scored to no sample), redoing only the ones in flight at the save (docs/training.md "Resume position").
 """
 
 from __future__ import annotations
@@ -21,7 +15,7 @@ from trl.experimental.async_grpo.async_rollout_worker import AsyncRolloutWorker
 
 import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
-from train_metrics import RecipeRolloutLoop, RecipeRolloutWorker
+from train_metrics import RecipeRolloutLoop
 
 EMPTY_GROUPS_FILE = "empty_groups.json"  # in the output folder: groups of this start that scored to no sample
 
@@ -63,12 +57,6 @@ class PositionedRolloutLoop(RecipeRolloutLoop):
         return samples
 
 
-class PositionedRolloutWorker(RecipeRolloutWorker):
-    """RecipeRolloutWorker whose spawned loop is PositionedRolloutLoop."""
-
-    _loop_cls = PositionedRolloutLoop
-
-
 class _RecordingQueue:
     """The rollout queue as TRL's RolloutQueueDataset reads it, noting each sample's group as it is taken: whether the
     dataset then trains it or drops it as stale, the group is consumed."""
@@ -93,20 +81,15 @@ class ResumePosition:
         self._skipped: frozenset[int] = frozenset()  # CONSUMED_AHEAD of the checkpoint this start resumed from
         super().__init__(*args, **kwargs)
 
-    def _positioned(self) -> bool:
-        return isinstance(getattr(self, "rollout_worker", None), AsyncRolloutWorker)
-
     def begin_start(self, resume_from_checkpoint: str | None) -> None:
         """Before TRL's own resume reads `prompt_index`: forget the last start's groups, read CONSUMED_AHEAD from
         the checkpoint, and pass it and a fresh empty-groups file to the rollout child (started on train begin)."""
         self._taken, self._skipped = set(), frozenset()
         self._empty_file = Path(self.args.output_dir) / EMPTY_GROUPS_FILE
-        if not self._positioned():
+        if not isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own test: a worker with a position
             return
-        state_file = Path(resume_from_checkpoint) / ROLLOUT_STATE if resume_from_checkpoint else None
-        if state_file is not None and state_file.is_file():
-            self._skipped = frozenset(json.loads(state_file.read_text()).get(CONSUMED_AHEAD, []))
-        self._empty_file.parent.mkdir(parents=True, exist_ok=True)
+        saved = recipe.read_json(Path(resume_from_checkpoint) / ROLLOUT_STATE) if resume_from_checkpoint else None
+        self._skipped = frozenset((saved or {}).get(CONSUMED_AHEAD, []))
         recipe.write_json(self._empty_file, [])  # a file left by an earlier start would name another start's groups
         self.rollout_worker._loop_kwargs.update(consumed_ahead=sorted(self._skipped),
                                                 empty_groups_file=str(self._empty_file))
@@ -123,12 +106,11 @@ class ResumePosition:
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
         """TRL's checkpoint, then its `rollout_state.json` rewritten with this start's consumed groups."""
         super()._save_checkpoint(model, trial)
-        if not (self.accelerator.is_main_process and self._positioned()):
+        if not (self.accelerator.is_main_process and isinstance(self.rollout_worker, AsyncRolloutWorker)):
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
         state_file = folder / ROLLOUT_STATE
-        empty = self._empty_file
-        consumed = self._taken | self._skipped | set(json.loads(empty.read_text()) if empty.is_file() else [])
+        consumed = self._taken | self._skipped | set(recipe.read_json(self._empty_file) or [])
         start = self.rollout_worker._loop_kwargs["dataset_start_index"]
         recipe.write_json(state_file, {**json.loads(state_file.read_text()), **next_position(start, consumed)})
 

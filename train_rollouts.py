@@ -1,11 +1,5 @@
-"""Rollout-level failures: each one costs a rollout (unscorable, counted), only a systematic one stops the job.
-
-TRL 1.15's HarnessRolloutWorker already scores a rollout unscorable when the session's create, wait or verify raises,
-but a bad capture (ValueError/TypeError/KeyError from `fetch_training_trace`) stops the whole run, and an ungraded
-rollout (exit 1, no reward) or one whose model calls failed at the engine is trained. `guarded()` wraps the session
-factory so that each of these is one unscorable rollout of a FAILURE_CLASSES class, counted in the rollout ledger
-(recipe.LEDGER_NAME), which also stops the job on a streak or a failure rate (SystematicRolloutFailure). The ledger
-is the run's one rollout counter and, by its mtime, the rollout side's progress beat (docs/training.md).
+"""Rollout-level failures: each one costs a rollout (unscorable, counted in the rollout ledger), only a systematic one
+stops the job. `guarded()` wraps TRL's session factory; docs/training.md "Rollout failures" has the classes.
 """
 
 from __future__ import annotations
@@ -22,7 +16,7 @@ from typing import Any, NamedTuple
 
 import recipe
 import trajectories
-from sandbox_lifecycle import SETUP_KEY, TIMING_PARTS, setup_seconds
+from sandbox_lifecycle import SETUP_KEY, setup_seconds
 
 # Per-rollout failure classes, in the order a rollout meets them (docs/training.md says what causes each).
 FAILURE_CLASSES = ("create", "rollout", "upstream", "capture", "empty_trace", "verifier")
@@ -41,17 +35,9 @@ class SystematicRolloutFailure(BaseException):
     session step would otherwise score it as one more unscorable rollout."""
 
 
-def read_ledger(path: str | Path) -> dict[str, Any] | None:
-    """The ledger's last state, or None if the rollout worker has not written it yet."""
-    return recipe.read_json(path)
-
-
 class Ledger:
-    """Counts every finished rollout by outcome and decides when failures are systematic (thread-safe).
-
-    Rewritten atomically on every finished rollout (its schema: docs/training.md "Counts"); each rollout is also one
-    line of recipe.ROLLOUT_LOG_NAME, and the last few trajectories go to recipe.TRAJECTORIES_NAME.
-    """
+    """Counts every finished rollout by outcome (docs/training.md "Counts") and decides when failures are systematic;
+    each rollout is also one line of recipe.ROLLOUT_LOG_NAME, and the last few go to recipe.TRAJECTORIES_NAME."""
 
     def __init__(self, path: str | Path, *, streak_limit: int = recipe.ROLLOUT_ABORT_STREAK,
                  window: int = recipe.ROLLOUT_WINDOW, max_unscorable: float = recipe.ROLLOUT_MAX_UNSCORABLE) -> None:
@@ -66,22 +52,14 @@ class Ledger:
             "unscorable": dict.fromkeys(FAILURE_CLASSES, 0), "unscorable_total": 0, "streak": 0,
             "window": {"size": window, "unscorable": 0}, "last_error": None, "timing": {"count": 0, "max": {}},
             "stopped": None}
-        self.log_path = self.path.with_name(recipe.ROLLOUT_LOG_NAME)
         self._sample: deque[dict[str, Any]] = deque(maxlen=recipe.TRAJECTORY_SAMPLE)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        recipe.write_json(self.path, self.state)
+        recipe.write_json(self.path, self.state)  # its folder too, before the rollout log's first line
 
     def record(self, failure: str | None, error: str = "", *, timed_out: bool = False,
                timing: Mapping[str, float] | None = None, forked: bool = False, tool_calls: int = 0,
                ends: Mapping[str, int] | None = None, task: str | None = None, reward: float | None = None,
                trial: Path | None = None, trajectory: dict[str, Any] | None = None) -> None:
-        """One finished rollout, `failure` its class (None = scored); raises SystematicRolloutFailure on a trip.
-
-        `timing` must hold only sandbox_lifecycle.TIMING_PARTS (else ValueError, a caller's bug, before any count).
-        """
-        unknown = sorted(set(timing or ()) - set(TIMING_PARTS))
-        if unknown:
-            raise ValueError(f"timing parts {unknown} are not among {TIMING_PARTS}")
+        """One finished rollout, `failure` its class (None = scored); raises SystematicRolloutFailure on a trip."""
         with self._lock:
             state = self.state
             if state["stopped"]:
@@ -108,7 +86,7 @@ class Ledger:
             state["streak"], state["window"]["unscorable"] = len(self._streak), len(failed)
             state["updated"] = time.time()
             outcome = failure or ("timed_out" if timed_out else "scored")
-            with self.log_path.open("a") as log:
+            with self.path.with_name(recipe.ROLLOUT_LOG_NAME).open("a") as log:
                 log.write(json.dumps({"task": task, "outcome": outcome, "reward": reward, **ends, "error": error[:500],
                                       "trial": str(trial) if trial else None,
                                       "trial_kept": trial.exists() if trial else None, "at": state["updated"]}) + "\n")
@@ -163,13 +141,13 @@ def _trl_capture(trace: Any) -> Capture:
     return Capture(sequences, tally["fork"] > 0, sum(_tool_call_counts_by_name(entries).values()), cut)
 
 
+def describe(error: BaseException) -> str:
+    return f"{type(error).__name__}: {error}"  # all of it: the ledger's last_error and the rollout log keep the detail
+
+
 def _text(prompt: Any) -> str:
     """A prompt's last message text (TRL's prompt is the row's message list), the key of the task-name map."""
     return str(prompt[-1].get("content", "")) if isinstance(prompt, list) and prompt else str(prompt)
-
-
-def _describe(error: BaseException) -> str:
-    return f"{type(error).__name__}: {error}"
 
 
 class GuardedSession:
@@ -182,15 +160,10 @@ class GuardedSession:
         self.error = ""
         self.timed_out = False
         self.capture: Capture | None = None  # set once the trace passed fetch_training_trace's checks
-        self._waited = False  # wait_for_completion() returned or raised: the rollout ran to an end
-        self._waiting = False
-        self._stopped_early = False  # closed while still running: the trainer is stopping, not a failure
-        self._recorded = False
+        self._phase = "new"  # -> "waiting" -> "ended" (the wait returned or raised) -> "recorded"; or -> "stopped"
 
-    def __getattr__(self, name: str) -> Any:
-        if name == "inner":
-            raise AttributeError(name)
-        return getattr(self.inner, name)  # the rest of the session API (initial_messages, list_tools, result, ...)
+    def __getattr__(self, name: str) -> Any:  # the rest of the session API (initial_messages, list_tools, result, ...)
+        return getattr(self.__dict__.get("inner"), name)  # AttributeError, not recursion, before __init__
 
     def _fail(self, failure: str, error: str) -> RolloutFailure:
         if self.failure is None:
@@ -199,18 +172,19 @@ class GuardedSession:
 
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
         """The inner wait; an ungraded non-zero exit or an exception other than TimeoutError fails the rollout."""
-        self._waiting = True
+        self._phase = "waiting"
         try:
-            code = self.inner.wait_for_completion() if timeout_s is None else self.inner.wait_for_completion(timeout_s)
+            code = self.inner.wait_for_completion(timeout_s)
         except TimeoutError as error:
             self.timed_out = True  # TRL trains the captured turns with timed_out flagged, unless the engine failed
             if self._upstream():
                 raise self._fail("upstream", self._upstream()) from error
             raise
         except Exception as error:
-            raise self._fail("rollout", _describe(error)) from error
+            raise self._fail("rollout", describe(error)) from error
         finally:
-            self._waiting, self._waited = False, True
+            if self._phase == "waiting":  # not "stopped": closed while it ran, the trainer is stopping
+                self._phase = "ended"
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
         if self._upstream():
             self._fail("upstream", self._upstream())
@@ -240,7 +214,7 @@ class GuardedSession:
             trace = self.inner.fetch_training_trace()
             capture = _trl_capture(trace)
         except Exception as error:
-            raise self._fail("capture", _describe(error)) from error
+            raise self._fail("capture", describe(error)) from error
         if not capture.sequences:
             raise self._fail("empty_trace", f"no trainable turn captured ({len(trace.turns)} turns)")
         self.capture = capture
@@ -252,7 +226,7 @@ class GuardedSession:
         try:
             result = self.inner.verify(transcript, final_state)
         except Exception as error:
-            raise self._fail("verifier", _describe(error)) from error
+            raise self._fail("verifier", describe(error)) from error
         if result.env_reward is None:
             raise self._fail("verifier", "the verifier wrote no reward")
         self.reward = result.env_reward
@@ -260,13 +234,13 @@ class GuardedSession:
 
     def close(self) -> None:
         """Close the inner session; the first close after the rollout ended records its outcome in the ledger."""
-        if self._waiting:
-            self._stopped_early = True
+        if self._phase == "waiting":
+            self._phase = "stopped"
         try:
             self.inner.close()  # a HarborSession times its trial here
         finally:
-            if self._waited and not self._stopped_early and not self._recorded:
-                self._recorded = True
+            if self._phase == "ended":
+                self._phase = "recorded"
                 capture = self.capture or Capture([], False, 0)
                 result = getattr(self.inner, "result", None)
                 self.ledger.record(self.failure, self.error, timed_out=self.timed_out,
@@ -278,35 +252,21 @@ class GuardedSession:
 
 
 class GuardedSessionFactory:
-    """Built in TRL's rollout child from `guarded()`: the inner factory with its task map warmed, plus the ledger."""
+    """Built in TRL's rollout child from `guarded()`: the inner factory, the ledger, and the served tasks' names by
+    prompt (TRL hands create() the prompt only), fetched before TRL's session pool starts."""
 
     def __init__(self, inner: Callable[..., Any], ledger_file: str, **kwargs: Any) -> None:
         self.inner = inner(**kwargs)
-        # Warm the task map before TRL's session pool starts: HarborSessionFactory fills it lazily inside create(),
-        # and threads racing there get KeyError (issue 14, defect 7).
-        warm = getattr(self.inner, "tasks", None)
-        if callable(warm):
-            warm()
         self.ledger = Ledger(ledger_file)
-        self._names: dict[str, str] | None = None
-
-    def prompt_rows(self) -> list[dict[str, Any]]:
-        return self.inner.prompt_rows()
-
-    def task_name(self, task: Any) -> str | None:
-        """The served task a prompt is (TRL hands create() the prompt only), for the rollout log."""
-        if self._names is None:
-            self._names = {_text(row["prompt"]): row.get("task_name") for row in self.prompt_rows()}
-        return self._names.get(_text(task))
+        self.names = {_text(row["prompt"]): row.get("task_name") for row in self.inner.prompt_rows()}
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> GuardedSession:
-        name = None
+        name = self.names.get(_text(task))
         try:
-            name = self.task_name(task)
             session = self.inner.create(task, seed=seed, episode_id=episode_id)
         except Exception as error:
-            self.ledger.record("create", _describe(error), task=name)
-            raise RolloutFailure(f"create: {_describe(error)}") from error
+            self.ledger.record("create", describe(error), task=name)
+            raise RolloutFailure(f"create: {describe(error)}") from error
         return GuardedSession(session, self.ledger, name)
 
 
@@ -316,11 +276,8 @@ def guarded(factory: Callable[..., Any], ledger_file: str | Path) -> Callable[..
 
 
 def refresh_heartbeat(heartbeat_file: str | Path, ledger_file: str | Path) -> None:
-    """While the trainer waits for rollouts: date the heartbeat to the newest progress, step or finished rollout.
-
-    Only the file's mtime moves (its text keeps the last step, from train_callbacks.Heartbeat): run_job.sh's watchdog
-    reads the mtime, and only a waiting trainer calls this, so one stuck elsewhere still goes stale.
-    """
+    """While the trainer waits for rollouts, date the heartbeat's mtime (run_job.sh's watchdog reads it) to the newest
+    step or finished rollout; only a waiting trainer calls this, so one stuck elsewhere still goes stale."""
     heartbeat = Path(heartbeat_file)
     try:
         stepped = float(heartbeat.read_text().split()[1])

@@ -1,10 +1,6 @@
-"""Merge-free weight sync for TRL 1.15's AsyncGRPOTrainer: stream `cast(W + s·B·A)` per tensor, never merge.
+"""Merge-free weight sync for TRL 1.15's AsyncGRPOTrainer: stream bf16(W + s·B·A) per tensor, never merge the base.
 
-TRL's merged sync writes W += s·B·A into the base, sends every weight in the trainer's fp32 and subtracts the
-delta again. This trainer sends, one tensor at a time and in TRL's names and order, what vLLM must hold:
-bf16(W + PEFT's get_delta_weight) for a LoRA-wrapped weight, bf16(W) for any other. vLLM rounds what it receives
-into its bf16 parameters exactly as `Tensor.to` does, so the served weights are bit-identical to the stock path's,
-with half the bytes on NCCL and no write to the base. docs/training.md "Weight sync" has the numbers.
+Bit-identical to TRL's merge -> send fp32 -> unmerge as vLLM stores it, with half the NCCL bytes (docs/training.md).
 """
 
 from __future__ import annotations
@@ -35,12 +31,9 @@ def send_dtype() -> torch.dtype:
 
 def check_lora_config(peft_config: PeftConfig | None) -> None:
     """Refuse adapters whose merge is more than W += s·B·A (DoRA, LoRA bias), before the model is loaded."""
-    if peft_config is None:
-        return
-    if getattr(peft_config, "use_dora", False):
-        raise recipe.ConfigError("merge-free weight sync does not support DoRA: set WEIGHT_SYNC=stock")
-    if getattr(peft_config, "lora_bias", False):
-        raise recipe.ConfigError("merge-free weight sync does not support lora_bias: set WEIGHT_SYNC=stock")
+    for option in ("use_dora", "lora_bias"):
+        if getattr(peft_config, option, False):
+            raise recipe.ConfigError(f"merge-free weight sync does not support {option}: set WEIGHT_SYNC=stock")
 
 
 def _full(tensor: torch.Tensor, device: torch.device | None = None) -> torch.Tensor:
@@ -55,20 +48,13 @@ def lora_layers_by_weight(model: torch.nn.Module) -> dict[int, LoraLayer]:
 
 
 def merged_weight(layer: LoraLayer, weight: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """cast(W + Σ get_delta_weight) over the active adapters, bit-equal to PEFT's merge, then the cast.
-
-    PEFT's `W += delta` rounds to W's dtype after each adapter, so every sum but the last, and the last too when W is
-    neither fp32 nor the sent dtype, is rounded to W's dtype; the last is otherwise rounded once, into `dtype`.
-    """
+    """cast(W + Σ get_delta_weight) over the active adapters, bit-equal to PEFT's merge (which rounds each sum to W's
+    dtype) then the cast: the last sum is rounded once, into `dtype`, where W is fp32 or already `dtype`."""
     if not isinstance(layer, LoraLinear):
         raise recipe.ConfigError(f"{type(layer).__name__} LoRA layers are not streamable merge-free: WEIGHT_SYNC=stock")
-    if layer.merged:
-        raise RuntimeError("LoRA layer is already merged: merge-free sync expects unmerged weights")
     adapters = [adapter for adapter in layer.active_adapters if adapter in layer.lora_A]
     out = weight
     for i, adapter in enumerate(adapters):
-        if adapter in layer.lora_variant or layer.lora_bias.get(adapter, False):
-            raise recipe.ConfigError(f"adapter {adapter!r} is DoRA/biased: merge-free sync cannot stream it")
         delta = _full(layer.get_delta_weight(adapter), weight.device)
         final = i == len(adapters) - 1 and weight.dtype in (torch.float32, dtype)
         target = torch.empty(weight.shape, dtype=dtype if final else weight.dtype, device=weight.device)
@@ -77,42 +63,32 @@ def merged_weight(layer: LoraLayer, weight: torch.Tensor, dtype: torch.dtype) ->
     return out.to(dtype)
 
 
-def _after(ready: torch.cuda.Event | None, device: torch.device) -> None:
-    """Queue the current stream's next adapter reads after `ready`, an event on the trainer's stream.
-
-    TRL's NCCL producer pulls this stream in its own thread, under a stream of vLLM's that is not ordered after the
-    optimizer step, and switches streams between its buffers: so the wait is queued per tensor.
-    """
-    if ready is not None and device.type == "cuda":
-        torch.cuda.current_stream(device).wait_event(ready)
-
-
 def merge_free_named_tensors(
     model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None,
     ready: torch.cuda.Event | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (vLLM name, tensor in `dtype`) for every weight vLLM receives, merged on the fly, one at a time.
 
-    Each tensor is made on the consumer's current stream when it asks for it; `ready` orders the adapter reads after
-    the trainer's last optimizer step.
+    Each tensor is made on the consumer's current stream when it asks for it: TRL's NCCL producer pulls it in its own
+    thread under streams of vLLM's, switching between buffers, so the wait on `ready` (the trainer's last optimizer
+    step) is queued per tensor.
     """
     layers = lora_layers_by_weight(model) if is_peft_model(model) else {}
     for name, param in _iter_vllm_named_params(model):
         weight, layer = _full(param, device), layers.get(id(param))
         if layer is None:
             yield name, weight.to(dtype)
-        else:
-            _after(ready, weight.device)
-            yield name, merged_weight(layer, weight, dtype)
+            continue
+        if ready is not None and weight.device.type == "cuda":
+            torch.cuda.current_stream(weight.device).wait_event(ready)
+        yield name, merged_weight(layer, weight, dtype)
 
 
 def send_manifest(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, list[Any]]:
     """The receive manifest for the merge-free stream: TRL's names and shapes, every dtype set to `dtype`."""
-    names, shapes = [], []
-    for name, param in _iter_vllm_named_params(model):
-        names.append(name)
-        shapes.append(list(param.shape))
-    return {"names": names, "dtype_names": [str(dtype).removeprefix("torch.")] * len(names), "shapes": shapes}
+    shapes = {name: list(param.shape) for name, param in _iter_vllm_named_params(model)}
+    return {"names": list(shapes), "dtype_names": [str(dtype).removeprefix("torch.")] * len(shapes),
+            "shapes": list(shapes.values())}
 
 
 class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
@@ -137,9 +113,8 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
     def _merge_free_iter(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream, with an event on this thread's stream: TRL's NCCL producer consumes it in another thread."""
         device = self.accelerator.device
-        ready = None
-        if device.type == "cuda":
-            ready = torch.cuda.Event()
+        ready = torch.cuda.Event() if device.type == "cuda" else None
+        if ready is not None:
             ready.record(torch.cuda.current_stream(device))
         return merge_free_named_tensors(self.accelerator.unwrap_model(self.model), self.sync_dtype, device, ready)
 
@@ -167,10 +142,5 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         return t_pause, t_barrier, t_transfer
 
 
-def trainer_class(mode: str) -> type[AsyncGRPOTrainer]:
-    """The trainer class for a weight-sync mode: "merge_free" (default) or "stock" (TRL's own, unchanged)."""
-    if mode == "stock":
-        return AsyncGRPOTrainer
-    if mode == "merge_free":
-        return MergeFreeAsyncGRPOTrainer
-    raise recipe.ConfigError(f"unknown weight-sync mode {mode!r}: use one of {', '.join(recipe.WEIGHT_SYNC_MODES)}")
+# The trainer class per WEIGHT_SYNC mode (recipe.WEIGHT_SYNC_MODES; the knob refuses any other): "stock" is TRL's own.
+TRAINERS: dict[str, type[AsyncGRPOTrainer]] = {"merge_free": MergeFreeAsyncGRPOTrainer, "stock": AsyncGRPOTrainer}

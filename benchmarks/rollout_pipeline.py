@@ -1,7 +1,7 @@
 """Rollout pipeline benchmark: of the rollouts TRL 1.15 finishes, how many it trains and how many it drops as stale.
 
 Runs the recipe's own trainer on CPU: train_lora.build_trainer (TRL's AsyncGRPOTrainer with the merge-free sync,
-train_metrics.RecipeRolloutWorker = TRL's HarnessRolloutWorker in a spawned child, train_rollouts, RunLog) on the tiny
+train_lora.rollout_worker, TRL's HarnessRolloutWorker with a spawned child, train_rollouts, RunLog) on the tiny
 LFM2 of tests/tiny_lfm2.py. TRL's own code decides everything measured here: a group's policy version is stamped when
 its first rollout is dispatched (`_generate_loop`), a group is queued once all 8 rollouts are done, the trainer drops
 a sample more than `max_staleness` versions old (`RolloutQueueDataset`, counted as `sample/dropped_stale_total`),

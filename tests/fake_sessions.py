@@ -12,7 +12,6 @@ from __future__ import annotations
 import hashlib
 import json
 import threading
-import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -196,58 +195,6 @@ class FaultySessionFactory(FakeSessionFactory):
             raise ConnectionError("env server refused the session: SessionCapacityError")
         instruction = task[-1]["content"] if isinstance(task, list) else str(task)
         return FaultySession(self.fault, instruction, self.sampling or {}, 1.0, self.tool_calls)
-
-
-def task_instruction(index: int) -> str:
-    """A SmolDataEnvs-sized instruction (tests/harbor_fixture.py writes the same shape)."""
-    files = "".join(f"- table_{index}_{k}.csv\n" for k in range(12))
-    return (f"You have access to the following files:\n{files}All of the files are located only in the "
-            "'/home/user/input' folder.\n\nAnswer the following question based on the provided files:\n"
-            f"What is the mean of column x in table_{index}_0.csv?\n\nWrite only the answer value to "
-            "/workdir/answer.txt.\n")
-
-
-class LazyTaskMapFactory:
-    """The task-map half of OpenEnv's HarborSessionFactory, as written at 2ce2fa7 and 98c9532.
-
-    Mirrors `envs/harbor_env/harness.py`: `tasks()` fetches the task list once (`if not self._tasks:`, a
-    task-API round trip, `get_task_range`), assigns `self._tasks`, then resets `self._by_instruction = {}` and
-    fills it task by task (sha1 of the instruction), with no lock; `create()` calls `self.tasks()` and then
-    looks the prompt's instruction up in `self._by_instruction`, raising KeyError when it is not there. TRL
-    rebuilds the factory in its rollout child, so the map starts empty and the first wave of pool threads
-    races through this. 1,000 tasks, as the recipe's train split has.
-    """
-
-    FETCH_S = 0.02  # one task-API round trip
-
-    def __init__(self, server_url: str = "http://env.invalid", *, n_tasks: int = 1000,
-                 sampling: dict[str, Any] | None = None, **harbor_kwargs: Any) -> None:
-        self.server_url, self.n_tasks, self.sampling = server_url, n_tasks, sampling
-        self._tasks: list[dict[str, Any]] = []
-        self._by_instruction: dict[str, int] = {}
-        self.fetches = 0
-
-    def tasks(self) -> list[dict[str, Any]]:
-        if not self._tasks:
-            self.fetches += 1
-            time.sleep(self.FETCH_S * (1 + self.fetches % 8 / 8))  # round trips vary
-            self._tasks = [{"index": i, "instruction": task_instruction(i)} for i in range(self.n_tasks)]
-            self._by_instruction = {}
-            for i, task in enumerate(self._tasks):
-                self._by_instruction[hashlib.sha1(task["instruction"].strip().encode()).hexdigest()] = i
-        return self._tasks
-
-    def prompt_rows(self) -> list[dict[str, Any]]:
-        return [{"prompt": [{"role": "user", "content": t["instruction"]}], "task_name": f"task-{t['index']}",
-                 "task_index": t["index"]} for t in self.tasks()]
-
-    def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> FakeSession:
-        instruction = task[-1]["content"] if isinstance(task, list) else str(task)
-        self.tasks()  # ensures the instruction -> index map exists
-        index = self._by_instruction.get(hashlib.sha1(instruction.strip().encode()).hexdigest())
-        if index is None:
-            raise KeyError("this prompt does not match any task on the server")
-        return FakeSession(instruction, self.sampling or {}, 1.0, 0)
 
 
 class ForkingSession(FakeSession):

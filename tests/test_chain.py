@@ -67,7 +67,7 @@ class Chain:
 
         factory = self.factory(**overrides)
         guarded = train_rollouts.guarded(factory, ledger)(sampling=factory.keywords["sampling"])
-        prompts = {r["task_name"]: r["prompt"] for r in guarded.prompt_rows()}
+        prompts = {r["task_name"]: r["prompt"] for r in guarded.inner.prompt_rows()}
 
         def one(task: str) -> tuple:
             try:
@@ -92,7 +92,7 @@ class Chain:
 
         with ThreadPoolExecutor(max_workers=len(plan)) as pool:
             out = list(pool.map(one, plan))
-        return out, train_rollouts.read_ledger(ledger)
+        return out, recipe.read_json(ledger)
 
 
 @contextlib.contextmanager

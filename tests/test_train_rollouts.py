@@ -32,9 +32,7 @@ from tests.fake_sessions import (
     TASKS,
     FakeSessionFactory,
     FaultySessionFactory,
-    LazyTaskMapFactory,
     PlannedSessionFactory,
-    task_instruction,
 )
 from tests.tiny_lfm2 import save_tiny_model
 from tests.trl_cpu_shims import cpu_trainer_shims
@@ -322,40 +320,6 @@ def test_a_groups_contrast_shows_per_row_and_the_tool_bonus_alone_is_as_strong_a
     flat = scored_group(loop, [(0.0, 3)] * n)
     assert {(s.metrics[tm.ZERO_CONTRAST], s.metrics[tm.ZERO_ADVANTAGE], s.advantage) for s in flat} == {(1.0, 1.0, 0)}
     assert {s.metrics[tm.VERSION] for s in flat} == {3.0}  # the group's policy version, for the loss's staleness split
-
-
-# --- issue 14, defect 7: the first wave of create() calls races on the task map ---------------------------------------
-def first_wave(factory, prompts) -> list[BaseException]:
-    """32 pool threads calling create() at once, as TRL's session pool does when the child starts."""
-    start = threading.Barrier(len(prompts))
-    errors: list[BaseException] = []
-
-    def create(prompt) -> None:
-        start.wait()
-        try:
-            factory.create(prompt).close()
-        except Exception as error:  # noqa: BLE001 - collected and asserted by the caller
-            errors.append(error)
-
-    switch = sys.getswitchinterval()
-    sys.setswitchinterval(1e-6)  # interleave the pool threads finely, as a busy child does
-    try:
-        threads = [threading.Thread(target=create, args=(p,)) for p in prompts]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-    finally:
-        sys.setswitchinterval(switch)
-    return errors
-
-
-def test_first_wave_of_concurrent_creates_finds_every_task(make_loop):
-    prompts = [[{"role": "user", "content": task_instruction(i)}] for i in range(500, 532)]
-    for _ in range(4):  # four child starts: the race does not bite every time
-        loop, _ = make_loop(functools.partial(LazyTaskMapFactory))
-        assert first_wave(loop._factory, prompts) == []
-        assert getattr(loop._factory, "inner", loop._factory).fetches == 1  # warmed once, before the pool
 
 
 # --- issue 14, defect 4: while the trainer waits for rollouts, a finished rollout is progress ----------------------

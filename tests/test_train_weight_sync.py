@@ -218,29 +218,21 @@ def test_stream_holds_one_tensor_at_a_time():
 
 
 def test_trainer_class_modes():
-    assert train_weight_sync.trainer_class("stock") is AsyncGRPOTrainer
-    assert issubclass(train_weight_sync.trainer_class("merge_free"), AsyncGRPOTrainer)
-    with pytest.raises(recipe.ConfigError, match="unknown weight-sync mode 'merged'.*merge_free, stock"):
-        train_weight_sync.trainer_class("merged")
+    assert set(train_weight_sync.TRAINERS) == set(recipe.WEIGHT_SYNC_MODES)
+    assert train_weight_sync.TRAINERS["stock"] is AsyncGRPOTrainer
+    assert issubclass(train_weight_sync.TRAINERS["merge_free"], AsyncGRPOTrainer)
 
 
 def test_dora_and_lora_bias_refused_before_loading():
     config = lora_config()
     train_weight_sync.check_lora_config(config)
     config.use_dora = True
-    with pytest.raises(recipe.ConfigError, match="DoRA.*WEIGHT_SYNC=stock"):
+    with pytest.raises(recipe.ConfigError, match="use_dora: set WEIGHT_SYNC=stock"):
         train_weight_sync.check_lora_config(config)
     config = lora_config()
     config.lora_bias = True
     with pytest.raises(recipe.ConfigError, match="lora_bias"):
         train_weight_sync.check_lora_config(config)
-
-
-def test_merge_free_refuses_an_already_merged_model():
-    model = peft_lfm2()
-    model.merge_adapter()
-    with pytest.raises(RuntimeError, match="already merged"):
-        list(train_weight_sync.merge_free_named_tensors(model, SENT))
 
 
 def stock_stream(model) -> list[tuple[str, torch.Tensor]]:

@@ -81,7 +81,6 @@ import adapter_repo  # noqa: E402
 import recipe  # noqa: E402
 import smoke_report  # noqa: E402
 import train_lora  # noqa: E402
-import train_rollouts  # noqa: E402
 
 ADAPTER_REPO = "rehearsal/LFM2.5-tiny-opencode-lora-RL"
 # Not a credential: train_lora requires HF_TOKEN to be set, and LocalHub ignores it.
@@ -188,7 +187,7 @@ class CrashingHub(LocalHub):
         self.proxy, self.ledger, self.faults, self.own_engine = proxy, ledger, faults, own_engine
 
     def faults_counted(self) -> bool:
-        counts = train_rollouts.read_ledger(self.ledger)
+        counts = recipe.read_json(self.ledger)
         return bool(counts) and counts["unscorable_total"] + counts["timed_out"] >= self.faults
 
     def create_commit(self, repo_id: str, operations: list[object], **kwargs: Any) -> Any:
