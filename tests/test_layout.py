@@ -142,6 +142,17 @@ def test_the_readme_file_table_names_every_top_level_file_and_folder_once():
     assert [p for p in named if not any(fnmatch.fnmatchcase(entry, p) for entry in top)] == [], "gone from the repo"
 
 
+def test_the_readme_file_table_gives_each_scripts_line_count():
+    """Issue 45: a reader sizes the bundle from the table; a count that drifted from `wc -l` would mislead."""
+    section = (ROOT / "README.md").read_text().split("\n## Files\n", 1)[1].split("\n## ", 1)[0]
+    rows = dict(re.findall(r"^\| `([\w.]+\.(?:py|sh))` \| (\d+) \|", section, re.M))
+    scripts = sorted(p.name for p in ROOT.glob("*") if p.suffix in (".py", ".sh"))
+    assert sorted(rows) == scripts, "give each top-level script a row with its line count"
+    wrong = {name: (int(n), len((ROOT / name).read_text().splitlines())) for name, n in rows.items()
+             if int(n) != len((ROOT / name).read_text().splitlines())}
+    assert wrong == {}, f"README.md's file table: (written, wc -l) {wrong}"
+
+
 def test_every_relative_link_in_the_markdown_files_resolves():
     """Issue 43 (14): every relative link (and its #anchor, GitHub's slug of a heading) in every tracked Markdown file
     names a file, folder or heading that exists."""
