@@ -7,7 +7,7 @@ Only the backends' clouds are stood in for: the daytona and e2b SDK names Harbor
 server's process, by doubles typed against the installed SDKs (tests/chain/daytona_double.py, e2b_double.py, their
 signatures checked by tests/test_sdk_doubles.py), whose sandboxes bubblewrap runs over the image root, as
 tests/test_chain.py's are. Each double records what it was asked (create requests, template builds, deletes), so
-the lifetimes are read where they reach the SDK. Per backend, one wave at once: a GRPO group (right and wrong answers,
+the lifetimes are read where they reach the SDK. Per backend, one wave at once: a group (a right and a wrong answer,
 each trace checked), a create the API first refuses as rate-limited, one it always refuses; E2B also runs other
 tasks of the same image beside the group, all on one template built once. Needs root, bubblewrap and the image root
 (`bash setup.sh`), as tests/test_chain.py.
@@ -27,7 +27,10 @@ import sandbox_lifecycle
 
 envserver.require()
 
-GROUP = ["right", "wrong"] * (recipe.NUM_GENERATIONS // 2)
+# A group is one right and one wrong rollout of one task: the fewest that show each backend grades both ways, and
+# contrast. The job's group of recipe.NUM_GENERATIONS at once is test_chain.py's (the backends change only where the
+# sandbox runs); each wave still runs 4 (daytona) or 6 (e2b) rollouts at once, racing for E2B's one template.
+GROUP = ["right", "wrong"]
 # What each backend's API answers the fault tasks' creates: Daytona's transient class (a 429) is retried at 60 s times
 # the attempt (Harbor's SANDBOX_RETRY) and a 500 three times; E2B's create is tried twice, a second apart.
 FAULTS = {"daytona": {"rate_limited_once": {"status": 429, "times": 1}, "never": {"status": 500}},
@@ -67,9 +70,9 @@ def sdk_calls(chain, backend: str) -> list[dict]:
 
 
 def wave(chain, backend: str, tmp_path_factory) -> dict:
-    """Every rollout of the backend's plan at once (the group's NUM_GENERATIONS and one per other task)."""
+    """Every rollout of the backend's plan at once (the group's and one per other task)."""
     tasks = chain.tasks_of[backend]
-    plan = [tasks[role] for role in PLANS[backend] for _ in range(recipe.NUM_GENERATIONS if role == "group" else 1)]
+    plan = [tasks[role] for role in PLANS[backend] for _ in range(len(GROUP) if role == "group" else 1)]
     began = time.monotonic()
     with pytest.MonkeyPatch.context() as patch:  # the client finds the server's trial folders, as in the job
         patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
@@ -93,7 +96,7 @@ def e2b(chain, tmp_path_factory):
 def test_a_group_scores_right_one_and_wrong_zero_with_clean_traces(chain, backend, request):
     played = request.getfixturevalue(backend)
     group = played["by_role"]["group"]
-    assert len(group) == recipe.NUM_GENERATIONS
+    assert len(group) == len(GROUP)
     kinds = sorted(kind(session) for _, session, _, _ in group)
     assert kinds == sorted(GROUP)
     for _, session, trace, reward in group:
@@ -125,7 +128,7 @@ def test_a_create_that_never_succeeds_is_one_unscorable_rollout(chain, backend, 
 
 def test_every_daytona_create_asks_for_the_recipes_auto_stop_and_delete_on_stop(daytona):
     requests = [call["request"] for call in daytona["calls"] if call["event"] == "create"]
-    assert len(requests) == recipe.NUM_GENERATIONS + 2 + 3  # the group, the rate-limited task twice, the 500s
+    assert len(requests) == len(GROUP) + 2 + 3  # the group, the rate-limited task twice, the 500s
     for request in requests:  # Harbor's own default is 0: never stops
         assert request["autoStopInterval"] * 60 >= recipe.SANDBOX_IDLE_TIMEOUT_S, request["autoStopInterval"]
         assert request["autoStopInterval"] == sandbox_lifecycle.lifetime_kwargs("daytona")["auto_stop_interval_mins"]
@@ -145,6 +148,6 @@ def test_every_e2b_create_asks_for_the_recipes_timeout_on_one_template_built_onc
     assert {call["template"] for call in creates} == {name}
     # Five tasks, a concurrent group among them, every rollout scored but the one whose create never succeeds.
     scored = [reward for role, outs in e2b["by_role"].items() if role != "never" for _, _, _, reward in outs]
-    assert len(scored) == recipe.NUM_GENERATIONS + 3 and None not in scored
+    assert len(scored) == len(GROUP) + 3 and None not in scored
     made = [call for call in creates if not call["refused"]]
     assert len([call for call in e2b["calls"] if call["event"] == "kill"]) == len(made)
