@@ -7,9 +7,9 @@ Only the backends' clouds are stood in for: the daytona and e2b SDK names Harbor
 server's process, by doubles typed against the installed SDKs (tests/chain/daytona_double.py, e2b_double.py, their
 signatures checked by tests/test_sdk_doubles.py), whose sandboxes bubblewrap runs over the image root, as
 tests/test_chain.py's are. Each double records what it was asked (create requests, template builds, deletes), so
-the lifetimes are read where they reach the SDK. Per backend, one wave at once: a GRPO group (right and wrong answers,
-each trace checked), a create the API first refuses as rate-limited, one it always refuses; E2B also runs other
-tasks of the same image beside the group, all on one template built once. Needs root, bubblewrap and the image root
+the lifetimes are read where they reach the SDK. Per backend, one wave at once: a group (a right and a wrong answer,
+each trace checked), a create the API first refuses as rate-limited, one it always refuses: three tasks of one image,
+at once, which on E2B all use one template built once. Needs root, bubblewrap and the image root
 (`bash setup.sh`), as tests/test_chain.py.
 """
 
@@ -27,13 +27,15 @@ import sandbox_lifecycle
 
 envserver.require()
 
-GROUP = ["right", "wrong"] * (recipe.NUM_GENERATIONS // 2)
+# A group is one right and one wrong rollout of one task: the fewest that show each backend grades both ways, and
+# contrast. The job's group of recipe.NUM_GENERATIONS at once is test_chain.py's (the backends change only where the
+# sandbox runs); each wave still runs 4 rollouts of 3 tasks at once, E2B's all racing for its one template.
+GROUP = ["right", "wrong"]
 # What each backend's API answers the fault tasks' creates: Daytona's transient class (a 429) is retried at 60 s times
 # the attempt (Harbor's SANDBOX_RETRY) and a 500 three times; E2B's create is tried twice, a second apart.
 FAULTS = {"daytona": {"rate_limited_once": {"status": 429, "times": 1}, "never": {"status": 500}},
           "e2b": {"rate_limited_once": {"status": 429, "times": 1}, "never": {"status": 429}}}
-PLANS = {"daytona": ("group", "rate_limited_once", "never"),
-         "e2b": ("group", "other_task", "another_task", "rate_limited_once", "never")}
+PLANS = {backend: ("group", "rate_limited_once", "never") for backend in FAULTS}  # three tasks of one image each
 
 
 @pytest.fixture(scope="module")
@@ -41,8 +43,8 @@ def chain(tmp_path_factory):
     root = tmp_path_factory.mktemp("backends")
     tasks_of: dict[str, dict[str, str]] = {}
 
-    def modes_of(names: list[str]) -> dict[str, list[str]]:  # five tasks per backend, by role
-        tasks_of.update({backend: dict(zip(plan, names[5 * i:], strict=False))
+    def modes_of(names: list[str]) -> dict[str, list[str]]:  # three tasks per backend, by role
+        tasks_of.update({backend: dict(zip(plan, names[3 * i:], strict=False))
                          for i, (backend, plan) in enumerate(PLANS.items())})
         return {task: GROUP if role == "group" else ["right"]
                 for plan in tasks_of.values() for role, task in plan.items()}
@@ -56,7 +58,7 @@ def chain(tmp_path_factory):
                     for role, fault in faults.items()}
         server.faults_file.write_text(json.dumps(refusals))
 
-    with running(root, modes_of, n_hard=5, public=False, setup=setup) as chain:
+    with running(root, modes_of, n_hard=1, public=False, setup=setup) as chain:  # 6 tasks
         chain.tasks_of = tasks_of
         yield chain
 
@@ -67,9 +69,9 @@ def sdk_calls(chain, backend: str) -> list[dict]:
 
 
 def wave(chain, backend: str, tmp_path_factory) -> dict:
-    """Every rollout of the backend's plan at once (the group's NUM_GENERATIONS and one per other task)."""
+    """Every rollout of the backend's plan at once (the group's and one per other task)."""
     tasks = chain.tasks_of[backend]
-    plan = [tasks[role] for role in PLANS[backend] for _ in range(recipe.NUM_GENERATIONS if role == "group" else 1)]
+    plan = [tasks[role] for role in PLANS[backend] for _ in range(len(GROUP) if role == "group" else 1)]
     began = time.monotonic()
     with pytest.MonkeyPatch.context() as patch:  # the client finds the server's trial folders, as in the job
         patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
@@ -93,7 +95,7 @@ def e2b(chain, tmp_path_factory):
 def test_a_group_scores_right_one_and_wrong_zero_with_clean_traces(chain, backend, request):
     played = request.getfixturevalue(backend)
     group = played["by_role"]["group"]
-    assert len(group) == recipe.NUM_GENERATIONS
+    assert len(group) == len(GROUP)
     kinds = sorted(kind(session) for _, session, _, _ in group)
     assert kinds == sorted(GROUP)
     for _, session, trace, reward in group:
@@ -125,7 +127,7 @@ def test_a_create_that_never_succeeds_is_one_unscorable_rollout(chain, backend, 
 
 def test_every_daytona_create_asks_for_the_recipes_auto_stop_and_delete_on_stop(daytona):
     requests = [call["request"] for call in daytona["calls"] if call["event"] == "create"]
-    assert len(requests) == recipe.NUM_GENERATIONS + 2 + 3  # the group, the rate-limited task twice, the 500s
+    assert len(requests) == len(GROUP) + 2 + 3  # the group, the rate-limited task twice, the 500s
     for request in requests:  # Harbor's own default is 0: never stops
         assert request["autoStopInterval"] * 60 >= recipe.SANDBOX_IDLE_TIMEOUT_S, request["autoStopInterval"]
         assert request["autoStopInterval"] == sandbox_lifecycle.lifetime_kwargs("daytona")["auto_stop_interval_mins"]
@@ -143,8 +145,8 @@ def test_every_e2b_create_asks_for_the_recipes_timeout_on_one_template_built_onc
     assert builds == [{"backend": "e2b", "event": "build", "alias": name, "image": recipe.TASK_IMAGE,
                        "cpu_count": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB}]
     assert {call["template"] for call in creates} == {name}
-    # Five tasks, a concurrent group among them, every rollout scored but the one whose create never succeeds.
+    # Three tasks, a concurrent group among them, every rollout scored but the one whose create never succeeds.
     scored = [reward for role, outs in e2b["by_role"].items() if role != "never" for _, _, _, reward in outs]
-    assert len(scored) == recipe.NUM_GENERATIONS + 3 and None not in scored
+    assert len(scored) == len(GROUP) + 1 and None not in scored
     made = [call for call in creates if not call["refused"]]
     assert len([call for call in e2b["calls"] if call["event"] == "kill"]) == len(made)

@@ -146,14 +146,20 @@ def register(tamper: str = "") -> subprocess.CompletedProcess:
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=ROOT)
 
 
-def test_the_chain_stand_ins_take_harbors_hf_sandbox_and_opencode_slots():
-    out = register()
+@pytest.fixture(scope="module")
+def registered() -> subprocess.CompletedProcess:
+    """One untampered registration for the two tests that read it (a child importing Harbor and both SDKs)."""
+    return register()
+
+
+def test_the_chain_stand_ins_take_harbors_hf_sandbox_and_opencode_slots(registered):
+    out = registered
     assert out.returncode == 0, out.stderr
     assert out.stdout.split()[-3:] == ["chain.sandbox", "BubblewrapEnvironment", "chain.agent:PinnedOpenCode"]
 
 
-def test_the_daytona_and_e2b_sdk_names_harbor_imports_become_the_doubles():
-    out = register()
+def test_the_daytona_and_e2b_sdk_names_harbor_imports_become_the_doubles(registered):
+    out = registered
     assert out.returncode == 0, out.stderr
     assert out.stdout.splitlines()[-2].split() == ["chain.daytona_double", "chain.e2b_double", "chain.e2b_double"]
 

@@ -13,7 +13,10 @@ cache, no OpenMP thread binding, a stub `nvidia-smi` (serve_policy.sh checks its
 `vllm` that appends two start-up flags (`bin/vllm`): `--enforce-eager` (no torch.compile: about 30 s less per start,
 the same kernels) and `--distributed-executor-backend uni` with `VLLM_ENABLE_V1_MULTIPROCESSING=0` (the CPU platform
 keeps `uni` only with both): the worker runs inside the engine-core process, as vLLM runs one GPU, instead of in a
-third process (12 CPU-s and 0.9 GB more per start).
+third process (12 CPU-s and 0.9 GB more per start). `TORCHDYNAMO_DISABLE=1`: `--enforce-eager` leaves two
+`torch.compile`d sampler helpers (`batched_count_greater_than` for logprob ranks, `compiled_random_sample`), which on a
+CPU make TorchInductor build a 155 MB C++ precompiled header and kernels with g++ at the first sampled request, cached
+per checkout path; dynamo off runs the same two functions eagerly (the same math, no compiler).
 
 What the plugin (`site/cpu_engine_plugin.py`) changes in vLLM's processes, and why: its docstring.
 """
@@ -110,7 +113,7 @@ class Engine:
                 "PYTHONPATH": os.pathsep.join(filter(None, (path, os.environ.get("PYTHONPATH")))),
                 "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+                "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TORCHDYNAMO_DISABLE": "1",
                 "ENGINE_EXTRA_ARGS": "--enforce-eager --distributed-executor-backend uni", **self.knobs}
 
     def start(self, *, wait: bool = True) -> str:
