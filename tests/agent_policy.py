@@ -54,6 +54,10 @@ RIGHT = "4.2"  # harbor_fixture's expected answer (the mean of table.csv's x: 4.
 # group of 8 usually has contrast and room to rise. Every value is one digit, a dot and one digit (three tokens), none
 # within the grader's tolerance (0.05) of 4.2.
 ANSWERS = {"4.2": 0.33, "4.0": 0.15, "4.4": 0.15, "8.4": 0.15, "2.1": 0.12, "7.5": 0.10}
+# The capture proxy's cap on each model call's output where the engine samples this policy (env server's
+# --max-output-tokens): its replies are at most ~40 tokens and end their turn, but a derailed sample at temperature 1
+# would otherwise decode to recipe.MAX_TOKENS (minutes of CPU per call).
+MAX_REPLY_TOKENS = 256
 FINAL = "Done."
 TITLE = "Mean of column x"
 VOCAB = 4096
