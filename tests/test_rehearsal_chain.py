@@ -28,7 +28,7 @@ import engine
 import pytest
 from agent_policy import agent_model
 from chain import envserver
-from engine.sync_check import TOLERANCE
+from engine.sync_check import AGENT_TOLERANCE as TOLERANCE
 
 import adapter_repo
 import prepare_tasks

@@ -74,7 +74,7 @@ import httpx  # noqa: E402
 from agent_policy import MAX_REPLY_TOKENS, agent_model  # noqa: E402
 from chain.bucket import Bucket  # noqa: E402
 from chain.envserver import EnvServer, missing  # noqa: E402
-from engine.sync_check import TOLERANCE, SyncCheck  # noqa: E402
+from engine.sync_check import AGENT_TOLERANCE, TOLERANCE, SyncCheck  # noqa: E402
 from fake_sessions import write_task_list  # noqa: E402
 from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
@@ -169,7 +169,7 @@ class StepLog(TrainerCallback):
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
                 "syncs": [asdict(record) for record in self.check.records], "served_dtype": recipe.SERVE_DTYPE,
                 "rollouts": self.rollout_counts(), "rollout_log": self.rollout_log(), "trained_groups": self.trained,
-                "logs": self.logs}
+                "logs": self.logs, "tolerance": self.check.tolerance}
 
     def rollout_log(self) -> list[dict[str, Any]]:
         """Every finished rollout of every start in this workdir, as the guard logged it (train_rollouts)."""
@@ -313,13 +313,13 @@ COLUMNS = (("ratio_tok", "ratio/token_mean", ".4f"), ("kl", "kl", ".2g"), ("kl_f
 STEP_METRICS = tuple(metric for _, metric, _ in COLUMNS)
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], tolerance: float) -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     print(f"{'step':>4} {'reward':>7} {'loss':>9} {'ratio':>7} " + " ".join(f"{h:>{max(len(h), 7)}}"
                                                                               for h, _, _ in COLUMNS)
-          + f" {'sync ms':>8}  served vs policy (moved, from base): <= {TOLERANCE}")
+          + f" {'sync ms':>8}  served vs policy (moved, from base): <= {tolerance}")
     for row in rows:
         print(f"{row['step']:>4} {fmt(row['reward'], '.3f'):>7} {fmt(row['loss'], '.5f'):>9} "
               f"{fmt(row['ratio'], '.4f'):>7} " + " ".join(f"{fmt(row[m], spec):>{max(len(h), 7)}}"
@@ -412,7 +412,8 @@ def main(argv: list[str] | None = None) -> int:
             agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS, sandbox_root=str(workdir / "sandboxes"),
             faults=faults, num_tasks=REHEARSAL_TASKS)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        check = SyncCheck(functools.partial(engine.prompt_logprobs, vllm_url), vocab)
+        check = SyncCheck(functools.partial(engine.prompt_logprobs, vllm_url), vocab,
+                          AGENT_TOLERANCE if args.real_chain else TOLERANCE)
         log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), check,
                       resumable[-1] if resumable else None)
         watch_trainer(log, check, sync=not args.no_sync)
@@ -435,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         if own_engine is not None:
             own_engine.stop()
     (workdir / "report.json").write_text(json.dumps(log.report(), indent=2))
-    print_table(log.rows())
+    print_table(log.rows(), check.tolerance)
     for line in log.rollout_log() if args.real_chain else []:
         print(f"rehearse: rollout {line['task']}: {line['outcome']}, reward {line['reward']}, trial "
               f"{Path(line['trial']).name if line['trial'] else '-'} {'kept' if line['trial_kept'] else 'removed'}")
@@ -446,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     if check.failed():
         first = check.failed()[0]
         print(f"rehearse: {len(check.failed())} sync(s) left the engine serving another policy than the trainer's: "
-              f"after step {first.step}, logprobs differ by up to {first.served_vs_policy:.4f} (> {TOLERANCE})",
+              f"after step {first.step}, logprobs differ by up to {first.served_vs_policy:.4f} (> {check.tolerance})",
               file=sys.stderr)
         return 1
     if args.smoke_report:
