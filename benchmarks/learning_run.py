@@ -34,26 +34,27 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "rehearsal")]
 
-# The run's group size and steps; its learning rate is the rehearsal's (rehearse.REHEARSAL_LR, 1.5e-3). A group of 8
-# (the recipe's) has contrast in ~94% of groups at a solve rate of 0.3 (1 - 0.3^8 - 0.7^8). Chosen on an in-process
-# GRPO simulation of the agent policy's first call (exact answer probabilities, Adam, groups of 8): the right answer's
-# share of the six trained values went 0.38 -> 0.72 in 8 steps at lr 1e-3 and 0.38 -> 0.86 at 2e-3; through the chain
-# at 6e-3 one step wrecked the policy (ratio 0.03, every reply ran to the output cap).
-GROUP = 8
-STEPS = 12
+# The run's learning rate, group size and steps, chosen for what 2 shared cores allow in an hour. An in-process GRPO
+# simulation of the agent policy's first call (exact answer probabilities, Adam, groups of 8) took the right answer's
+# share of the six trained values 0.38 -> 0.72 in 8 steps at lr 1e-3 and 0.38 -> 0.86 at 2e-3; through the chain at
+# 6e-3 one step wrecked the policy (ratio 0.03, every reply ran to the output cap). A group of 4 has contrast in 75% of
+# groups at a solve rate of 0.3 (1 - 0.3^4 - 0.7^4); 8 rows of OpenCode's ~6k-token prompt took the trainer about 5 min
+# a step on the loaded machine, 4 take half that.
+LR = 2e-3
+GROUP = 4
+STEPS = 8
 EVAL_TASKS = 24  # held-out test tasks, each scored once by the base and once by the adapter (paired: McNemar)
+EVAL_CONCURRENCY = 8
 GOAL_P = 0.05
 QUICK = {"steps": 2, "group": 2}
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from rehearse import REHEARSAL_LR
-
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, help="the run's folder (default: a temp folder, removed on success)")
     parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--group", type=int, default=GROUP, help="rollouts per GRPO group")
-    parser.add_argument("--lr", type=float, default=REHEARSAL_LR)
+    parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--eval-tasks", type=int, default=EVAL_TASKS)
     parser.add_argument("--no-sync", action="store_true", help="negative control: the engine keeps the base weights")
     parser.add_argument("--quick", action="store_true",
@@ -61,8 +62,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-url", help="an engine in training mode already serving WORKDIR/model (with --quick)")
     parser.add_argument("--eval-only", action="store_true", help="the eval of a trained --workdir (after a crash)")
     args = parser.parse_args(argv)
-    if args.quick:
-        args.steps, args.group = QUICK["steps"], QUICK["group"]
+    if args.quick:  # the rehearsal's learning rate: the suite's check is that the path runs, not that it learns
+        from rehearse import REHEARSAL_LR
+
+        args.steps, args.group, args.lr = QUICK["steps"], QUICK["group"], REHEARSAL_LR
     if args.vllm_url and not (args.quick and args.workdir):
         parser.error("--vllm-url goes with --quick and --workdir (the eval needs its own engine in LoRA mode)")
     if args.steps < 4 and not args.quick:
@@ -201,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"learning: reward {first:.3f} -> {last:.3f} over {len(rewards)} steps; no eval (--quick); every sync "
               f"{'served the policy, checked with power where a group had contrast' if checked else 'NOT checked'}")
         return 0 if checked and status == 0 else 1
-    summary = evaluate(workdir, args.group)
+    summary = evaluate(workdir, EVAL_CONCURRENCY)
     base, adapter, paired = summary["base"], summary["adapter"], summary["paired"]
     (workdir / "learning_run.json").write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()},
                                                            "steps": rows, "eval": summary}, indent=1))

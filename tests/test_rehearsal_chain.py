@@ -92,7 +92,7 @@ def check_trajectories(repo: Path) -> None:
         assert "opencode" in t["messages"][0]["text"].lower(), t["messages"][0]
         assert t["verdict"] == ("correct" if t["reward"] == 1.0 else "wrong"), t
     for t in acted:
-        assert [m["role"] for m in t["messages"]] == ["system", "user", "assistant", "tool", "assistant"], t
+        assert [m["role"] for m in t["messages"]][:4] == ["system", "user", "assistant", "tool"], t
         assert [c["name"] for c in t["messages"][2]["tool_calls"]] == ["write"], t["messages"][2]
     assert "checkpoint-1" in (repo / trajectories.PAGE_PATH).read_text()
 
