@@ -12,7 +12,8 @@ The goal: the mean reward of the last quarter of steps above the first quarter's
 with McNemar p < GOAL_P. The exit status says whether it was met (0) or not (1). `--no-sync` is the negative control:
 every sync sends nothing, the engine samples the base throughout (no rise), and the adapter, trained only on samples
 of the base, stays within the importance-ratio clip of it. `--quick` runs a few steps and no eval (the suite's check
-that the script runs: tests/test_rehearsal_chain.py); its exit status says whether every sync was checked with power.
+that the script runs: tests/test_rehearsal_chain.py's resumed start); its exit status says whether every sync served
+the trainer's policy, with the power to fail wherever the step's group had contrast.
 
     nice -n 5 .venv/bin/python benchmarks/learning_run.py               # ~35-50 min on 2 shared cores
     nice -n 5 .venv/bin/python benchmarks/learning_run.py --no-sync     # the control: must not meet the goal
@@ -51,21 +52,24 @@ QUICK = {"steps": 2, "group": 2}
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--workdir", type=Path, help="the run's folder (default: a temp folder, removed on success)")
-    parser.add_argument("--steps", type=int, default=STEPS)
-    parser.add_argument("--group", type=int, default=GROUP, help="rollouts per GRPO group")
+    parser.add_argument("--workdir", type=Path, help="the run's folder, kept (default: a new temp folder)")
+    parser.add_argument("--steps", type=int, help=f"optimizer steps (default {STEPS}; --quick {QUICK['steps']})")
+    parser.add_argument("--group", type=int, help=f"rollouts a group (default {GROUP}; --quick {QUICK['group']})")
     parser.add_argument("--lr", type=float, default=LR)
     parser.add_argument("--eval-tasks", type=int, default=EVAL_TASKS)
     parser.add_argument("--no-sync", action="store_true", help="negative control: the engine keeps the base weights")
     parser.add_argument("--quick", action="store_true",
-                        help=f"{QUICK['steps']} steps of {QUICK['group']} rollouts, no eval (the suite's run)")
+                        help="a few steps at the rehearsal's learning rate, no eval (the suite's run; a --workdir "
+                             "with a checkpoint resumes from it, up to --steps)")
     parser.add_argument("--vllm-url", help="an engine in training mode already serving WORKDIR/model (with --quick)")
     parser.add_argument("--eval-only", action="store_true", help="the eval of a trained --workdir (after a crash)")
     args = parser.parse_args(argv)
     if args.quick:  # the rehearsal's learning rate: the suite's check is that the path runs, not that it learns
         from rehearse import REHEARSAL_LR
 
-        args.steps, args.group, args.lr = QUICK["steps"], QUICK["group"], REHEARSAL_LR
+        args.lr = REHEARSAL_LR
+    defaults = QUICK if args.quick else {"steps": STEPS, "group": GROUP}
+    args.steps, args.group = args.steps or defaults["steps"], args.group or defaults["group"]
     if args.vllm_url and not (args.quick and args.workdir):
         parser.error("--vllm-url goes with --quick and --workdir (the eval needs its own engine in LoRA mode)")
     if args.steps < 4 and not args.quick:
@@ -189,7 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = step_table(report, report.get("tolerance", 0.0))
     print_table(rows)
     rewards = [r["reward"] for r in rows if r["reward"] is not None]
-    if len(rewards) < args.steps:
+    if len(rewards) < args.steps - (report.get("resumed_from") or 0):  # a resumed start trains the steps left
         print(f"learning: the trainer ran {len(rewards)} of {args.steps} steps (rehearse exited {status}); "
               f"see {workdir}", file=sys.stderr)
         return 1

@@ -10,8 +10,9 @@ probability 1 - 0.3^4 - 0.7^4 = 0.75, so at least one of the 3 trained groups ha
 assertion that a broken sync fails needs a step that moved the adapter). Runs where test_chain runs
 (envserver.require) and the engine can (engine.require).
 
-Then benchmarks/learning_run.py --quick on the same engine (a fresh workdir: its cold sync puts the base back):
-the learning run's own script, its step table and closing line, every sync checked with power.
+The resumed start is benchmarks/learning_run.py --quick (which runs rehearse.py --real-chain as the full learning run
+does): the learning run's own script, its step table and closing line, its exit status saying every sync was checked,
+at no cost beyond the start the resume needs anyway.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent / "rehearsal"))
 from rehearse import ADAPTER_REPO, REHEARSAL_RATIO_BAND, run_apart  # noqa: E402
 
 GROUP = 4
+LEARNING_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_run.py"
 START_TIMEOUT_S = 600  # one start: servers, trainer, groups of GROUP rollouts (and the next in flight), its steps
 
 
@@ -97,11 +99,11 @@ def check_trajectories(repo: Path) -> None:
     assert "checkpoint-1" in (repo / trajectories.PAGE_PATH).read_text()
 
 
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory):
+@pytest.fixture()
+def vllm(tmp_path):
     """vLLM in training mode (serve_policy.sh) on the agent policy, in the rehearsal's workdir; not waited for: the
     first start loads its env server and trainer meanwhile, and waits for it before training."""
-    workdir = tmp_path_factory.mktemp("chain") / "rehearsal"
+    workdir = tmp_path / "rehearsal"
     shutil.copytree(agent_model(), workdir / "model")
     runner = engine.Engine(workdir / "model", workdir / "engine")
     runner.start(wait=False)
@@ -123,7 +125,7 @@ def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_
     workdir = vllm.model.parent
     repo = workdir / "hub" / ADAPTER_REPO
     data = workdir / "fixture" / "data"
-    steps = {"MAX_STEPS": "3", "SAVE_STEPS": "1"}
+    steps = {"MAX_STEPS": "3", "SAVE_STEPS": "1"}  # the first start's; the second is learning_run.py's
     try:
         first = run_apart(workdir, "--real-chain", "--group", str(GROUP), "--vllm-url", vllm.url,
                           "--crash-after-checkpoint", "1", env=steps, timeout=START_TIMEOUT_S)
@@ -138,9 +140,13 @@ def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_
         position = json.loads((repo / "checkpoint-1" / "rollout_state.json").read_text())
         check_trajectories(repo)
 
-        second = run_apart(workdir, "--real-chain", "--group", str(GROUP), "--vllm-url", vllm.url, env=steps,
-                           timeout=START_TIMEOUT_S)
-        assert second.returncode == 0, second.stdout[-3000:] + vllm.tail()
+        second = subprocess.run([sys.executable, str(LEARNING_RUN), "--quick", "--workdir", str(workdir), "--vllm-url",
+                                 vllm.url, "--steps", "3", "--group", str(GROUP)], capture_output=True, text=True,
+                                timeout=START_TIMEOUT_S + 120)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:] + vllm.tail()
+        assert "| step | reward mean | scorable |" in second.stdout
+        assert re.search(r"^learning: reward \d\.\d+ -> \d\.\d+ over 2 steps; no eval", second.stdout, re.M), \
+            second.stdout[-3000:]
         report = json.loads((workdir / "report.json").read_text())
         assert report["resumed_from"] == 1 and [row["step"] for row in report["steps"]] == [2, 3]
         assert report["heartbeats"] == [2, 3]
@@ -167,14 +173,3 @@ def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_
         assert (repo / "adapter_model.safetensors").is_file()
     finally:
         envserver.unmount_leftovers(workdir / "chain" / "sandboxes")  # a failed start's overlays
-
-
-def test_the_learning_runs_quick_mode_trains_through_the_chain_with_every_sync_checked(vllm, tmp_path):
-    """benchmarks/learning_run.py --quick on the same engine: its step table, its closing line, exit 0 (every sync
-    served the trainer's policy, and had the power to fail wherever the step's group had contrast)."""
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_run.py"
-    run = subprocess.run([sys.executable, str(script), "--quick", "--workdir", str(tmp_path / "quick"),
-                          "--vllm-url", vllm.url], capture_output=True, text=True, timeout=2 * START_TIMEOUT_S)
-    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:] + vllm.tail()
-    assert "| step | reward mean | scorable |" in run.stdout
-    assert re.search(r"^learning: reward \d\.\d+ -> \d\.\d+ over 2 steps; no eval", run.stdout, re.M), run.stdout
