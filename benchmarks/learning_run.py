@@ -103,25 +103,23 @@ def train(args: argparse.Namespace, workdir: Path) -> tuple[int, dict[str, Any],
 
 
 def step_table(report: dict[str, Any], tolerance: float) -> list[dict[str, Any]]:
-    """One row per step: reward mean, scorable share of the rollouts finished since the step before, zero-contrast
-    groups, ratio, kl, sync seconds and the sync check (served vs policy, and whether it had power: moved by more
-    than the tolerance since the previous sync)."""
-    rows, finished, unscorable = [], 0.0, 0.0
+    """One row per step: reward mean, the scorable share of the rollouts finished since the step before (the guard's
+    counts, logged per interval), zero-contrast groups, ratio, kl, sync seconds and the sync check (served vs policy,
+    and whether it had power: moved by more than the tolerance since the sync before)."""
+    rows = []
     syncs = {s["step"]: s for s in report.get("syncs", [])}
     for step, logs in sorted(((int(k), v) for k, v in report.get("logs", {}).items())):
-        now_finished = logs.get("rollout/finished_total", finished)
-        now_unscorable = logs.get("rollout/unscorable_total", unscorable) + logs.get("rollout/timed_out_total", 0)
-        new = now_finished - finished
+        finished = logs.get("rollout/finished_total", 0)
+        failed = logs.get("rollout/unscorable_total", 0) + logs.get("rollout/timed_out_total", 0)
         sync = syncs.get(step, {})
         rows.append({"step": step, "reward": logs.get("reward"),
-                     "scorable": (new - (now_unscorable - unscorable)) / new if new else None,
+                     "scorable": (finished - failed) / finished if finished else None,
                      "zero_contrast": logs.get("group/zero_contrast_frac"), "ratio": logs.get("ratio"),
                      "kl": logs.get("kl"), "fork_frac": logs.get("rollout/fork_frac"),
                      "sync_s": logs.get("perf/weight_sync_s"), "served_vs_policy": sync.get("served_vs_policy"),
                      "moved": sync.get("moved"), "ok": bool(sync.get("ok")),
                      "power": (sync.get("moved") or 0) > tolerance,
                      "contrast": logs.get("group/zero_contrast_frac", 1.0) < 1.0})
-        finished, unscorable = now_finished, now_unscorable
     return rows
 
 
