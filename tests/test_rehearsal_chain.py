@@ -44,7 +44,7 @@ from rehearse import ADAPTER_REPO, REHEARSAL_RATIO_BAND, run_apart  # noqa: E402
 
 GROUP = 4
 LEARNING_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_run.py"
-START_TIMEOUT_S = 600  # one start: servers, trainer, groups of GROUP rollouts (and the next in flight), its steps
+START_TIMEOUT_S = 900  # one start: servers, trainer, groups of GROUP in flight, its steps (~10 min at load 40)
 
 
 def by_step(report: dict, lines: list[dict], data: Path) -> dict[int, list[float]]:
