@@ -15,7 +15,7 @@ of the base, stays within the importance-ratio clip of it. `--quick` runs a few 
 that the script runs: tests/test_rehearsal_chain.py's resumed start); its exit status says whether every sync served
 the trainer's policy, with the power to fail wherever the step's group had contrast.
 
-    nice -n 5 .venv/bin/python benchmarks/learning_run.py               # ~35-50 min on 2 shared cores
+    nice -n 5 .venv/bin/python benchmarks/learning_run.py               # training 18 min on 2 shared cores, eval more
     nice -n 5 .venv/bin/python benchmarks/learning_run.py --no-sync     # the control: must not meet the goal
     .venv/bin/python benchmarks/learning_run.py --quick [--vllm-url URL --workdir W]
 """
