@@ -54,12 +54,17 @@ RIGHT = "4.2"  # harbor_fixture's expected answer (the mean of table.csv's x: 4.
 # group of 8 usually has contrast and room to rise. Every value is one digit, a dot and one digit (three tokens), none
 # within the grader's tolerance (0.05) of 4.2.
 ANSWERS = {"4.2": 0.33, "4.0": 0.15, "4.4": 0.15, "8.4": 0.15, "2.1": 0.12, "7.5": 0.10}
+# The capture proxy's cap on each model call's output where the engine samples this policy (env server's
+# --max-output-tokens): its replies are at most ~40 tokens and end their turn, but a derailed sample at temperature 1
+# would otherwise decode to recipe.MAX_TOKENS (minutes of CPU per call).
+MAX_REPLY_TOKENS = 256
 FINAL = "Done."
 TITLE = "Mean of column x"
 VOCAB = 4096
-# The model: hidden 128 in 2 heads of 64 (vLLM's CPU attention refuses head_dim 16), one KV head (tiny_config writes
-# the conv_dim and block_dim vLLM's lfm2.py reads).
-MODEL = {"hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2, "num_key_value_heads": 1,
+# The model: hidden 64 in ONE attention head of 64 (vLLM's CPU attention refuses head_dim 16; its CPU rotary kernel
+# rotates a query of more than one head wrongly: engine.ENGINE_SHAPE), one KV head; tiny_config writes the conv_dim
+# and block_dim vLLM's lfm2.py reads.
+MODEL = {"hidden_size": 64, "intermediate_size": 256, "num_attention_heads": 1, "num_key_value_heads": 1,
          "max_position_embeddings": 32768}
 STEPS, LR, SEED = 240, 3e-3, 0
 REFRESH = 8  # steps between recomputing the shared system prefix (a new date each time)

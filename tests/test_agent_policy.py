@@ -11,6 +11,7 @@ import json
 import random
 
 import agent_policy
+import engine
 import pytest
 import torch
 from test_vllm_cpu import vllm_cpu
@@ -56,6 +57,8 @@ def test_the_config_is_one_vllms_cpu_engine_serves(policy):
     path, model, _, _ = policy
     config = json.loads((path / "config.json").read_text())
     assert config["hidden_size"] // config["num_attention_heads"] == 64  # vLLM's CPU attention refuses 16
+    # vLLM 0.31's CPU rotary kernel rotates a query of more than one head wrongly (engine.ENGINE_SHAPE)
+    assert {k: config[k] for k in engine.ENGINE_SHAPE} == engine.ENGINE_SHAPE
     assert config["conv_dim"] == config["block_dim"] == config["hidden_size"]  # vLLM's lfm2.py reads both
     assert {"conv", "full_attention"} == set(config["layer_types"])
     assert config["max_position_embeddings"] >= 32768  # the recipe's --max-model-len

@@ -1,28 +1,35 @@
 """The rehearsal on the real rollout chain (issue 25 item 4): `rehearse.py --real-chain` runs train_lora.train() (TRL's
 AsyncGRPOTrainer and HarnessRolloutWorker, the session factory train_lora builds from ENV_URL) with every rollout
 through `openenv harbor serve` -> Harbor's Trial in the bubblewrap sandbox -> the real OpenCode -> the task's own
-verifier, as tests/test_chain.py runs that chain, every model call sampled by vLLM's own engine (tests/engine), which
-the trainer syncs into after every step, each sync checked. Two starts in one workdir on one engine, as a relaunched
-job lives them (run_job.sh keeps vLLM up): killed right after checkpoint-1 is pushed, then resumed there for step 2.
-Kept to what the claim needs (2 steps, one group in flight): a real rollout takes 10-28 s on an idle machine. Runs
-where test_chain runs (envserver.require) and the engine can (engine.require).
+verifier, as tests/test_chain.py runs that chain, every model call sampled by vLLM's own engine (tests/engine) serving
+the tiny agent policy (tests/agent_policy.py: it calls OpenCode's write tool and writes the right answer about a third
+of the time), which the trainer syncs into after every step, each sync checked. Two starts in one workdir on one
+engine, as a relaunched job lives them (run_job.sh keeps vLLM up): killed right after checkpoint-1 is pushed, then
+resumed there for steps 2 and 3. Groups of GROUP, one in flight: a group of 4 at a solve rate of 0.3 has contrast with
+probability 1 - 0.3^4 - 0.7^4 = 0.75, so at least one of the 3 trained groups has it but in 1.6% of runs (the
+assertion that a broken sync fails needs a step that moved the adapter). Runs where test_chain runs
+(envserver.require) and the engine can (engine.require).
 
-The tiny model is random: it writes no tool call, so OpenCode leaves no answer and every reward is 0; no group has
-contrast, no step moves the adapter, and each sync's check passes without the power to fail (its margins are 0:
-tests/test_rehearsal.py shows the check failing a broken sync). A policy that acts (issue 40 item 3) gives it both.
+The resumed start is benchmarks/learning_run.py --quick (which runs rehearse.py --real-chain as the full learning run
+does): the learning run's own script, its step table and closing line, its exit status saying every sync was checked,
+at no cost beyond the start the resume needs anyway.
 """
 
 from __future__ import annotations
 
 import json
+import re
+import shutil
 import signal
+import subprocess
 import sys
 from pathlib import Path
 
 import engine
 import pytest
+from agent_policy import agent_model
 from chain import envserver
-from engine.sync_check import TOLERANCE
+from engine.sync_check import AGENT_TOLERANCE as TOLERANCE
 
 import adapter_repo
 import prepare_tasks
@@ -33,9 +40,11 @@ envserver.require()
 engine.require()
 
 sys.path.insert(0, str(Path(__file__).resolve().parent / "rehearsal"))
-from rehearse import ADAPTER_REPO, CHAIN_GROUP, REHEARSAL_RATIO_BAND, run_apart  # noqa: E402
+from rehearse import ADAPTER_REPO, REHEARSAL_RATIO_BAND, run_apart  # noqa: E402
 
-START_TIMEOUT_S = 420  # one start: servers, trainer, a group of CHAIN_GROUP rollouts (and the next in flight), a step
+GROUP = 4
+LEARNING_RUN = Path(__file__).resolve().parents[1] / "benchmarks" / "learning_run.py"
+START_TIMEOUT_S = 900  # one start: servers, trainer, groups of GROUP in flight, its steps (~10 min at load 40)
 
 
 def by_start(report: dict, lines: list[dict], data: Path) -> dict[int, list[float]]:
@@ -45,6 +54,16 @@ def by_start(report: dict, lines: list[dict], data: Path) -> dict[int, list[floa
     trained = report["trained_groups"][str(max(int(step) for step in report["trained_groups"]))]
     positions = [trained["start"] + group for group in trained["groups"]]
     return {at: [line["reward"] for line in lines if line["task"] == names[at % len(names)]] for at in positions}
+
+
+def moved_the_adapter(report: dict) -> dict[int, bool]:
+    """Whether each step of this start trained a sample with a nonzero advantage (TRL's sample/zero_advantage_frac
+    below 1: its group had contrast): only such a step moves the adapter (a step's rows may span two groups)."""
+    return {int(step): logs.get("sample/zero_advantage_frac", 1.0) < 1.0 for step, logs in report["logs"].items()}
+
+
+def contrast(rewards: list[float]) -> bool:
+    return len({r for r in rewards if r is not None}) > 1
 
 
 def check_rollouts(lines: list[dict], workdir: Path) -> None:
@@ -63,62 +82,76 @@ def check_rollouts(lines: list[dict], workdir: Path) -> None:
 def check_trajectories(repo: Path) -> None:
     """Issue 43 (11): checkpoint-1's trajectory sample, pushed with it, is what the real chain recorded: OpenCode's own
     system prompt, the task, the engine's reply as the capture proxy saw it, and the verdict the task's verifier gave
-    (its reward). The engine's random model writes no tool call, so the sample has no `write` call or tool answer to
-    check (tests/test_trajectory_page.py shows them on the page); a policy that acts brings them back here."""
+    (its reward): the agent policy's `write` call and the tool's answer between."""
     [logs] = (repo / adapter_repo.LOGS_DIR).iterdir()
     sample = json.loads((logs / "trajectories" / "checkpoint-1.json").read_text())
     scored = [t for t in sample if t["outcome"] == "scored"]
     assert scored, sample
+    acted = [t for t in scored if t["tool_calls"]]  # about 1 reply in 10 is no parseable call (it ends the rollout)
+    assert acted, sample
     for t in scored:
         roles = [m["role"] for m in t["messages"]]
         assert roles[:2] == ["system", "user"] and roles[-1] == "assistant", roles
         assert "opencode" in t["messages"][0]["text"].lower(), t["messages"][0]
         assert t["verdict"] == ("correct" if t["reward"] == 1.0 else "wrong"), t
+    for t in acted:
+        assert [m["role"] for m in t["messages"]][:4] == ["system", "user", "assistant", "tool"], t
+        assert [c["name"] for c in t["messages"][2]["tool_calls"]] == ["write"], t["messages"][2]
     assert "checkpoint-1" in (repo / trajectories.PAGE_PATH).read_text()
 
 
 @pytest.fixture()
 def vllm(tmp_path):
-    """vLLM in training mode (serve_policy.sh) on the chain's tiny model, in the rehearsal's workdir; not waited for:
-    the first start loads its env server and trainer meanwhile, and waits for it before training."""
+    """vLLM in training mode (serve_policy.sh) on the agent policy, in the rehearsal's workdir; not waited for: the
+    first start loads its env server and trainer meanwhile, and waits for it before training."""
     workdir = tmp_path / "rehearsal"
-    runner = engine.Engine(engine.save_engine_model(workdir / "model", vocab_size=envserver.CHAIN_VOCAB),
-                           workdir / "engine")
+    shutil.copytree(agent_model(), workdir / "model")
+    runner = engine.Engine(workdir / "model", workdir / "engine")
     runner.start(wait=False)
     yield runner
     runner.stop()
 
 
-def assert_synced(syncs: list[dict], steps: list[int]) -> None:
-    """The engine served the trainer's policy after each of these syncs (the cold one at the start, then one a step)."""
+def assert_synced(syncs: list[dict], steps: list[int], moved: dict[int, bool]) -> None:
+    """The engine served the trainer's policy after each of these syncs (the cold one at the start, then one a step),
+    and each sync after a step that moved the adapter (`moved`: the step's group had contrast) was checked with power:
+    the policy moved by more than the tolerance since the sync before, so a sync that sent nothing would have failed."""
     assert [sync["step"] for sync in syncs] == steps
     assert all(sync["ok"] and sync["served_vs_policy"] <= TOLERANCE for sync in syncs), syncs
+    for sync in syncs[1:]:
+        assert not moved[sync["step"]] or sync["moved"] > TOLERANCE, syncs
 
 
 def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_2(vllm):
     workdir = vllm.model.parent
     repo = workdir / "hub" / ADAPTER_REPO
     data = workdir / "fixture" / "data"
-    steps = {"MAX_STEPS": "2", "SAVE_STEPS": "1"}
+    steps = {"MAX_STEPS": "3", "SAVE_STEPS": "1"}  # the first start's; the second is learning_run.py's
     try:
-        first = run_apart(workdir, "--real-chain", "--vllm-url", vllm.url, "--crash-after-checkpoint", "1",
-                          env=steps, timeout=START_TIMEOUT_S)
+        first = run_apart(workdir, "--real-chain", "--group", str(GROUP), "--vllm-url", vllm.url,
+                          "--crash-after-checkpoint", "1", env=steps, timeout=START_TIMEOUT_S)
         assert first.returncode == -signal.SIGKILL, first.stdout[-3000:] + vllm.tail()
         report = json.loads((workdir / "report.json").read_text())
         assert report["resumed_from"] is None and [row["step"] for row in report["steps"]] == [1]
         lines = report["rollout_log"]
         check_rollouts(lines, workdir)
         first_groups = by_start(report, lines, data)
-        assert first_groups and all(len(r) >= CHAIN_GROUP for r in first_groups.values()), first_groups
-        assert_synced(report["syncs"], [0, 1])
+        assert first_groups and all(len(r) >= GROUP for r in first_groups.values()), first_groups
+        first_moved = moved_the_adapter(report)
+        assert_synced(report["syncs"], [0, 1], first_moved)
         position = json.loads((repo / "checkpoint-1" / "rollout_state.json").read_text())
         check_trajectories(repo)
 
-        second = run_apart(workdir, "--real-chain", "--vllm-url", vllm.url, env=steps, timeout=START_TIMEOUT_S)
-        assert second.returncode == 0, second.stdout[-3000:] + vllm.tail()
+        second = subprocess.run([sys.executable, str(LEARNING_RUN), "--quick", "--workdir", str(workdir), "--vllm-url",
+                                 vllm.url, "--steps", "3", "--group", str(GROUP)], capture_output=True, text=True,
+                                timeout=START_TIMEOUT_S + 120)
+        assert second.returncode == 0, second.stdout[-3000:] + second.stderr[-3000:] + vllm.tail()
+        assert "| step | reward mean | scorable |" in second.stdout
+        assert re.search(r"^learning: reward \d\.\d+ -> \d\.\d+ over 2 steps; no eval", second.stdout, re.M), \
+            second.stdout[-3000:]
         report = json.loads((workdir / "report.json").read_text())
-        assert report["resumed_from"] == 1 and [row["step"] for row in report["steps"]] == [2]
-        assert report["heartbeats"] == [2]
+        assert report["resumed_from"] == 1 and [row["step"] for row in report["steps"]] == [2, 3]
+        assert report["heartbeats"] == [2, 3]
         trained = report["trained_groups"]["2"]
         assert trained["start"] == position["prompt_index"]  # the resumed start begins at checkpoint-1's position
         assert not set(trained["groups"]) & set(position["consumed_ahead"])
@@ -126,12 +159,19 @@ def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_
         check_rollouts(later, workdir)
         second_groups = by_start(report, later, data)
         assert not set(second_groups) & set(first_groups)  # nothing trained before is trained again
-        assert_synced(report["syncs"], [1, 2])  # the resumed start's cold sync sends checkpoint-1's policy
+        second_moved = moved_the_adapter(report)
+        assert_synced(report["syncs"], [1, 2, 3], second_moved)  # the cold sync: checkpoint-1's policy, unchecked
+        # The agent policy's rewards have contrast: a step trained a group with it, and the adapter moved away from
+        # the base by more than the check's tolerance (each check then had the power to fail a broken sync).
+        assert any(first_moved.values()) or any(second_moved.values()), (first_groups, second_groups)
+        assert any(contrast(r) for r in [*first_groups.values(), *second_groups.values()]), (first_groups,
+                                                                                           second_groups)
+        assert report["syncs"][-1]["from_base"] > TOLERANCE, report["syncs"]
         low, high = REHEARSAL_RATIO_BAND
-        state = json.loads((repo / "checkpoint-2" / "trainer_state.json").read_text())
+        state = json.loads((repo / "checkpoint-3" / "trainer_state.json").read_text())
         ratios = [entry["ratio"] for entry in state["log_history"] if "ratio" in entry]
-        assert len(ratios) == 2 and all(low < ratio < high for ratio in ratios), ratios  # both starts' steps
-        assert (repo / "checkpoint-2" / adapter_repo.COMPLETE_MARKER).is_file()
+        assert len(ratios) == 3 and all(low < ratio < high for ratio in ratios), ratios  # both starts' steps
+        assert (repo / "checkpoint-3" / adapter_repo.COMPLETE_MARKER).is_file()
         assert (repo / "adapter_model.safetensors").is_file()
     finally:
         envserver.unmount_leftovers(workdir / "chain" / "sandboxes")  # a failed start's overlays

@@ -36,7 +36,8 @@ POLICY_MAX_MODEL_LEN = 262144
 CHAIN_VOCAB = 4096
 # The capture proxy's cap on each model call's output (--max-output-tokens; the job's is recipe.MAX_TOKENS) where the
 # engine samples a random tiny model: it almost never samples its end-of-turn token (1 in 4,096), so uncapped every call
-# would run to recipe.MAX_TOKENS, about 40 s of CPU decoding per call. A policy that ends its turns needs no cap.
+# would run to recipe.MAX_TOKENS, about 40 s of CPU decoding per call (test_eval_watch_engine.py). The real-chain
+# rehearsal and the learning run serve the agent policy instead, capped at agent_policy.MAX_REPLY_TOKENS.
 RANDOM_MODEL_MAX_TOKENS = 48
 HEALTH_TIMEOUT_S = 180  # the server imports Harbor and openenv and loads the tasks: ~20 s idle, far more when loaded
 

@@ -12,7 +12,9 @@ and after every optimizer step the trainer syncs into it through TRL's own Weigh
 receiving path. Only what cannot exist on a CPU machine is substituted, each piece under tests/:
 
     LiquidAI/LFM2.5-2.6B  -> tests/tiny_lfm2.py: a random tiny Lfm2ForCausalLM + LFM2.5 chat template, built locally
-                             (one attention head of 64: tests/engine.ENGINE_SHAPE says why)
+                             (one attention head of 64: tests/engine.ENGINE_SHAPE says why); with --real-chain the
+                             tiny agent policy (tests/agent_policy.py: same architecture, trained to call OpenCode's
+                             write tool and to write the right answer about a third of the time), so rewards differ
     GPU 1                 -> the CPU (tests/engine: serve_policy.sh with CPU-only environment)
     NCCL                  -> gloo, in vLLM's NCCL weight-transfer modules (tests/engine/site/cpu_engine_plugin.py)
     env server + HF Sandbox + OpenCode -> sessions.py: scripted agent through the REAL OpenEnv capture proxy
@@ -31,6 +33,8 @@ Prints the step table (reward mean, loss, importance ratio, kl by staleness, cli
 zero-contrast and bonus-only rows, the LoRA's update, learning rate, rollouts ended by budget, context or output cap,
 sync ms, the check) and writes it to WORKDIR/report.json, with every finished rollout (train_rollouts' rollout log:
 task, verifier reward, outcome, Harbor trial folder and whether it was kept). Exits 1 if any check failed.
+`--no-sync` is the negative control benchmarks/learning_run.py runs: every sync sends nothing (TRL's client still
+pauses and resumes the engine), so the engine keeps serving the base and every check after step 0 fails.
 `--vllm-url` uses an engine that already serves WORKDIR/model (a test's, kept up across starts as run_job.sh keeps
 vLLM up across trainer restarts); without it the rehearsal starts its own and stops it at the end. With
 --smoke-report it ends as the smoke job does: smoke_report.py reads what the run left (train_log.json, rollouts.json,
@@ -46,6 +50,7 @@ import json
 import logging
 import multiprocessing
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -66,9 +71,10 @@ import engine  # noqa: E402
 engine.importable()  # before TRL's weight-transfer client is imported: it imports vLLM's NCCL helpers
 
 import httpx  # noqa: E402
+from agent_policy import MAX_REPLY_TOKENS, agent_model  # noqa: E402
 from chain.bucket import Bucket  # noqa: E402
-from chain.envserver import CHAIN_VOCAB, RANDOM_MODEL_MAX_TOKENS, EnvServer, missing  # noqa: E402
-from engine.sync_check import TOLERANCE, SyncCheck  # noqa: E402
+from chain.envserver import EnvServer, missing  # noqa: E402
+from engine.sync_check import AGENT_TOLERANCE, TOLERANCE, SyncCheck  # noqa: E402
 from fake_sessions import write_task_list  # noqa: E402
 from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
@@ -103,10 +109,11 @@ REHEARSAL_RATIO_BAND = (0.85, 1.15)
 # benchmarks/fork_frac.py) and judged by a real smoke run.
 REHEARSAL_LIMITS = {"unscorable": 0.5, "fork": 1.0}
 FAULTS_SETTLE_S = 120  # how long --crash-after-checkpoint waits for the injected faults to reach the ledger
-# --real-chain: 4 prepared train tasks (a group per step, one more in flight, one spare). Groups of 2 rollouts, one in
-# flight, not the recipe's 8 and 32: every trained row is OpenCode's whole prompt (~9k tokens of the tiny tokenizer),
-# each costs far more than a real one on CPU, and 32 concurrent sandboxes would swamp a 2-core machine; the code path
-# is the same at any size. The data each task's healthcheck pulls from the loopback bucket:
+# --real-chain: 4 prepared train tasks (a group per step, one more in flight, one spare; TRL cycles through them).
+# Groups of 2 rollouts (--group), one group in flight, not the recipe's 8 and 32: every trained row is OpenCode's whole
+# prompt (~6k tokens of the agent policy's tokenizer), each costs far more than a real one on CPU, and 32 concurrent
+# sandboxes would swamp a 2-core machine; the code path is the same at any size. The data each task's healthcheck
+# pulls from the loopback bucket:
 CHAIN_TASKS = {"n_medium": 2, "n_hard": 2, "n_test": 1}
 CHAIN_GROUP = 2
 CHAIN_TABLE = b"x\n4.0\n4.4\n"
@@ -160,7 +167,8 @@ class StepLog(TrainerCallback):
     def report(self) -> dict[str, Any]:
         return {"resumed_from": self.resumed_from, "steps": self.rows(), "heartbeats": self.heartbeats,
                 "syncs": [asdict(record) for record in self.check.records], "served_dtype": recipe.SERVE_DTYPE,
-                "rollouts": self.rollout_counts(), "rollout_log": self.rollout_log(), "trained_groups": self.trained}
+                "rollouts": self.rollout_counts(), "rollout_log": self.rollout_log(), "trained_groups": self.trained,
+                "logs": self.logs, "tolerance": self.check.tolerance}
 
     def rollout_log(self) -> list[dict[str, Any]]:
         """Every finished rollout of every start in this workdir, as the guard logged it (train_rollouts)."""
@@ -206,14 +214,17 @@ class CrashingHub(LocalHub):
         return info
 
 
-def watch_trainer(log: StepLog, check: SyncCheck) -> None:
-    """Attach the step log and the sync check to the trainer train_lora builds (its build_trainer, wrapped here)."""
+def watch_trainer(log: StepLog, check: SyncCheck, sync: bool = True) -> None:
+    """Attach the step log and the sync check to the trainer train_lora builds (its build_trainer, wrapped here);
+    `sync=False` (the --no-sync control) makes that trainer's weight-transfer client send nothing."""
     build = train_lora.build_trainer
 
     def build_and_watch(*args: Any, **kwargs: Any) -> Any:
         trainer = build(*args, **kwargs)
         log.trainer = trainer
         trainer.add_callback(log)
+        if not sync:
+            trainer.weight_transfer.send_weights = lambda weights: None
         check.attach(trainer)
         return trainer
 
@@ -258,7 +269,7 @@ def run_env(workdir: Path, model_dir: Path, vllm_url: str, env_url: str, args: a
         "RESUME": "1", "WEIGHT_SYNC": args.weight_sync, "DEVICE": "cpu",
         # Trackio logs locally (TRACKIO_DIR, default ~/.cache/huggingface/trackio): a rehearsal never makes a Space.
         "REPORT_TO": "trackio", "DASHBOARD_SPACE": "local", "JOB_ID": os.environ.get("JOB_ID", workdir.name),
-        "TASK_DATA": task_data, "LEARNING_RATE": recipe.shell_value(REHEARSAL_LR),
+        "TASK_DATA": task_data, "LEARNING_RATE": recipe.shell_value(args.lr),
     }
 
 
@@ -301,13 +312,13 @@ COLUMNS = (("ratio_tok", "ratio/token_mean", ".4f"), ("kl", "kl", ".2g"), ("kl_f
 STEP_METRICS = tuple(metric for _, metric, _ in COLUMNS)
 
 
-def print_table(rows: list[dict[str, Any]]) -> None:
+def print_table(rows: list[dict[str, Any]], tolerance: float) -> None:
     def fmt(value: float | None, spec: str) -> str:
         return "-" if value is None else format(value, spec)
 
     print(f"{'step':>4} {'reward':>7} {'loss':>9} {'ratio':>7} " + " ".join(f"{h:>{max(len(h), 7)}}"
                                                                               for h, _, _ in COLUMNS)
-          + f" {'sync ms':>8}  served vs policy (moved, from base): <= {TOLERANCE}")
+          + f" {'sync ms':>8}  served vs policy (moved, from base): <= {tolerance}")
     for row in rows:
         print(f"{row['step']:>4} {fmt(row['reward'], '.3f'):>7} {fmt(row['loss'], '.5f'):>9} "
               f"{fmt(row['ratio'], '.4f'):>7} " + " ".join(f"{fmt(row[m], spec):>{max(len(h), 7)}}"
@@ -332,8 +343,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-url", default=None,
                         help="an engine in training mode already serving WORKDIR/model (default: start one)")
     parser.add_argument("--real-chain", action="store_true",
-                        help="every rollout through the real env server, Harbor trial, OpenCode and verifier "
-                             "(needs root, bubblewrap and the image root setup.sh builds)")
+                        help="every rollout through the real env server, Harbor trial, OpenCode and verifier, "
+                             "sampled from the tiny agent policy (needs root, bubblewrap and the image root)")
+    parser.add_argument("--group", type=int, default=CHAIN_GROUP,
+                        help="--real-chain: rollouts per GRPO group (one group in flight)")
+    parser.add_argument("--lr", type=float, default=REHEARSAL_LR, help="the learning rate")
+    parser.add_argument("--no-sync", action="store_true",
+                        help="negative control: every sync sends nothing, the engine keeps the base weights")
     args = parser.parse_args(argv)
     if args.real_chain and (args.faults or args.smoke_report):
         parser.error("--real-chain takes neither --faults (tests/test_chain.py injects real-chain faults) nor "
@@ -352,8 +368,10 @@ def main(argv: list[str] | None = None) -> int:
     workdir = args.workdir or Path(tempfile.mkdtemp(prefix="rehearsal-"))
     workdir.mkdir(parents=True, exist_ok=True)
     model_dir = workdir / "model"
-    if not (model_dir / "config.json").is_file():
-        engine.save_engine_model(model_dir, vocab_size=CHAIN_VOCAB if args.real_chain else None)
+    if args.real_chain and not (model_dir / "config.json").is_file():
+        shutil.copytree(agent_model(), model_dir)
+    elif not (model_dir / "config.json").is_file():
+        engine.save_engine_model(model_dir)
     own_engine = None if args.vllm_url else engine.Engine(model_dir, workdir / "engine")
     vllm_url = args.vllm_url or own_engine.start(wait=False)
     if args.real_chain:
@@ -370,10 +388,10 @@ def main(argv: list[str] | None = None) -> int:
         if args.real_chain:
             bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": CHAIN_TABLE} for name in names})
             env_server = EnvServer(workdir / "chain", tasks / "train", vllm_url, bucket.url,
-                                   max_output_tokens=RANDOM_MODEL_MAX_TOKENS)
+                                   max_output_tokens=MAX_REPLY_TOKENS)
             # The trainer's sessions find the server's trial folders by openenv's rule, as in the job (one environment).
             os.environ["OPENENV_HARBOR_TRIALS_DIR"] = str(env_server.trials)
-            recipe.NUM_GENERATIONS = recipe.MAX_INFLIGHT_ROLLOUTS = CHAIN_GROUP  # read when train_lora builds it
+            recipe.NUM_GENERATIONS = recipe.MAX_INFLIGHT_ROLLOUTS = args.group  # read when train_lora builds it
             proxy = env_server.start(wait=False)
             env_url = env_server.url
         else:
@@ -393,10 +411,11 @@ def main(argv: list[str] | None = None) -> int:
             agent_step_limit=recipe.MAX_TOOL_CALLING_ITERATIONS, sandbox_root=str(workdir / "sandboxes"),
             faults=faults, num_tasks=REHEARSAL_TASKS)
         vocab = json.loads((model_dir / "config.json").read_text())["vocab_size"]
-        check = SyncCheck(functools.partial(engine.prompt_logprobs, vllm_url), vocab)
+        check = SyncCheck(functools.partial(engine.prompt_logprobs, vllm_url), vocab,
+                          AGENT_TOLERANCE if args.real_chain else TOLERANCE)
         log = StepLog(workdir / "report.json", Path(settings.heartbeat_file), check,
                       resumable[-1] if resumable else None)
-        watch_trainer(log, check)
+        watch_trainer(log, check, sync=not args.no_sync)
         if env_server:
             env_server.wait()
         else:
@@ -416,7 +435,7 @@ def main(argv: list[str] | None = None) -> int:
         if own_engine is not None:
             own_engine.stop()
     (workdir / "report.json").write_text(json.dumps(log.report(), indent=2))
-    print_table(log.rows())
+    print_table(log.rows(), check.tolerance)
     for line in log.rollout_log() if args.real_chain else []:
         print(f"rehearse: rollout {line['task']}: {line['outcome']}, reward {line['reward']}, trial "
               f"{Path(line['trial']).name if line['trial'] else '-'} {'kept' if line['trial_kept'] else 'removed'}")
@@ -427,7 +446,7 @@ def main(argv: list[str] | None = None) -> int:
     if check.failed():
         first = check.failed()[0]
         print(f"rehearse: {len(check.failed())} sync(s) left the engine serving another policy than the trainer's: "
-              f"after step {first.step}, logprobs differ by up to {first.served_vs_policy:.4f} (> {TOLERANCE})",
+              f"after step {first.step}, logprobs differ by up to {first.served_vs_policy:.4f} (> {check.tolerance})",
               file=sys.stderr)
         return 1
     if args.smoke_report:
