@@ -401,6 +401,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    if sys.argv[1:]:  # no flags: the environment above is the interface
-        sys.exit(__doc__)
+    if sys.argv[1:]:  # no flags: the environment above is the interface (--help exits 0)
+        print(f"usage: python3 eval_adapter.py  (no arguments: settings come from the environment)\n\n{__doc__}")
+        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
     raise SystemExit(adapter_repo.run_cli("eval_adapter", main))

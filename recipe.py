@@ -220,16 +220,21 @@ def keep_ledger_aside(folder: str | Path) -> Path | None:
     return ledger.replace(Path(folder) / KEPT_LEDGER_GLOB.replace("*", str(last + 1)))
 
 
-def write_json(path: str | Path, doc: Any, *, indent: int | None = None, sort_keys: bool = False) -> None:
-    """`doc` as JSON, so that a reader sees the old file or the new one, never half of one, and two writers in one
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write `text` so that a reader sees the old file or the new one, never half of one, and two writers in one
     folder never share a temporary name (the job's heartbeat folder has several)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
-        json.dump(doc, tmp, indent=indent, sort_keys=sort_keys)
+        tmp.write(text)
         tmp.flush()
         os.fsync(tmp.fileno())
     os.replace(tmp.name, path)
+
+
+def write_json(path: str | Path, doc: Any, *, indent: int | None = None, sort_keys: bool = False) -> None:
+    """`doc` as JSON, written atomically (write_atomic)."""
+    write_atomic(path, json.dumps(doc, indent=indent, sort_keys=sort_keys))
 
 
 def read_json(path: str | Path) -> Any:

@@ -773,7 +773,7 @@ def test_eval_job_without_a_gpu_names_its_own_flavor(eval_job):
     result, log = _run_eval_job(eval_job, STUB_GPUS="none")
     assert result.returncode != 0 and log == []
     [line] = result.stderr.strip().splitlines()
-    assert f"no NVIDIA GPU visible; run on a GPU job (flavor {recipe.EVAL_FLAVOR})" in line
+    assert f"GPU 0 not found (nvidia-smi lists: none): run on an {recipe.EVAL_FLAVOR} job" in line
     assert recipe.TRAIN_FLAVOR not in line
 
 

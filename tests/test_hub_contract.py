@@ -95,6 +95,7 @@ def calls(hub: LocalHub, tmp_path: Path) -> dict[str, object]:
     out["model_info"] = hub.model_info(REPO, revision="main")
     out["list_repo_files"] = hub.list_repo_files(REPO)
     out["file_exists"] = hub.file_exists(REPO, "x.json")
+    out["repo_exists"] = hub.repo_exists(REPO)
     out["hf_hub_download"] = hub.hf_hub_download(REPO, "x.json", local_dir=tmp_path / "dl")
     out["snapshot_download"] = hub.snapshot_download(REPO, local_dir=tmp_path / "snap", allow_patterns=["f/*"])
     out["run_job"] = hub.run_job(image="i", command=["true"], token="t")

@@ -99,7 +99,7 @@ def test_policy_lora_mode_plan(tmp_path):
     [
         ({"HOST": "0.0.0.0"}, "HOST=0.0.0.0 would expose vLLM's unauthenticated endpoints"),
         ({"STUB_GPUS": "0"}, "GPU 1 not found (nvidia-smi lists: 0)"),
-        ({"STUB_GPUS": "none"}, "nvidia-smi failed"),
+        ({"STUB_GPUS": "none"}, "GPU 1 not found (nvidia-smi lists: none)"),
         ({"LORA": "maybe"}, "LORA='maybe' is not a yes/no value"),
         ({"ALLOW_NON_LOOPBACK": "sure", "HOST": "0.0.0.0"}, "ALLOW_NON_LOOPBACK='sure' is not a yes/no value"),
         ({"MAX_LORAS": "0"}, "MAX_LORAS=0 is out of range"),
