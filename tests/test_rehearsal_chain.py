@@ -57,9 +57,10 @@ def by_start(report: dict, lines: list[dict], data: Path) -> dict[int, list[floa
 
 
 def moved_the_adapter(report: dict) -> dict[int, bool]:
-    """Whether each step of this start trained a sample with a nonzero advantage (TRL's sample/zero_advantage_frac
-    below 1: its group had contrast): only such a step moves the adapter (a step's rows may span two groups)."""
-    return {int(step): logs.get("sample/zero_advantage_frac", 1.0) < 1.0 for step, logs in report["logs"].items()}
+    """Whether each step of this start had a gradient (TRL's grad_norm > 0: a trained row with a nonzero advantage).
+    Not sample/zero_advantage_frac: it counts the rows scored in the step's logging interval, and a group scored
+    there may be trained only in the next step (seen: 0.8 with grad_norm 0.0)."""
+    return {int(step): logs.get("grad_norm", 0.0) > 0.0 for step, logs in report["logs"].items()}
 
 
 def contrast(rewards: list[float]) -> bool:
