@@ -39,8 +39,10 @@ TOLERANCE = 0.02
 # The same for the tiny agent policy (tests/agent_policy.py), which the real-chain rehearsal serves: trained, its logits
 # are peaked (a probe token's logprob is about -12, down to -15), where bf16 errs more: transformers' own bf16 forward
 # against fp32 differs by up to 0.062 on the probe (mean 0.019), the engine's cold sync by 0.054. A step at the
-# rehearsal's learning rate moves it by far more (the step tables show `moved`).
-AGENT_TOLERANCE = 0.15
+# rehearsal's learning rate moves it by far more (the step tables show `moved`). The gap grows with the distance the
+# policy moved from where it was trained: 0.245 and 0.318 after steps that moved it by 12.8 and 11.8, so 0.5; a sync
+# that sent nothing or the base was 2.4-8.0 away on the real chain.
+AGENT_TOLERANCE = 0.5
 PROBE_LEN = 256
 
 
