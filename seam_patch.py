@@ -1,6 +1,8 @@
 """The env server's in-process patches (no installed file is edited): OpenCode also sends its capture session as
-`x-api-key` (the HF Jobs proxy strips `Authorization`), each trial gets its backend's sandbox lifetime and Harbor's
-preflight (sandbox_lifecycle), each rollout's result counts its model calls that failed at the engine.
+`x-api-key` (the HF Jobs proxy strips `Authorization`), an eval's OpenCode gets the training rollouts' tools (openenv
+turns off delegation, questions and web fetch for training only: an eval scored a prompt training never saw), each
+trial gets its backend's sandbox lifetime and Harbor's preflight (sandbox_lifecycle), each rollout's result counts
+its model calls that failed at the engine.
 
     python3 seam_patch.py check                                  # patch and check, one line each
     python3 seam_patch.py serve -- harbor serve --llm-url ...    # the same, then run `openenv ...`
@@ -24,13 +26,15 @@ HEADER = "x-api-key"
 _PATCHED = "_x_api_key_patched"  # marks a wrapper: a second apply changes nothing
 
 
-def _with_header(original: Any) -> Any:
-    """Wrap the seam's kwargs builder so its provider options also carry the session as x-api-key."""
+def _patched(seam: seams.Seam) -> Any:
+    """Wrap the seam's kwargs builder: provider options also carry the session as x-api-key, tools are training's."""
+    original, tools = seam.kwargs, seam.training_kwargs["opencode_config"]["tools"]
 
     def kwargs(base_url: str, session: str, model: str) -> dict[str, Any]:
         config = original(base_url, session, model)
         options = config["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
         options["headers"] = {**(options.get("headers") or {}), HEADER: session}
+        config["opencode_config"]["tools"] = {**config["opencode_config"].get("tools", {}), **tools}
         return config
 
     setattr(kwargs, _PATCHED, True)
@@ -55,7 +59,7 @@ def apply() -> None:
     """Patch the opencode seam in this process (once), then resolve it as a rollout does."""
     try:
         if not getattr(seams.SEAMS[HARNESS].kwargs, _PATCHED, False):
-            seams.SEAMS[HARNESS] = replace(seams.SEAMS[HARNESS], kwargs=_with_header(seams.SEAMS[HARNESS].kwargs))
+            seams.SEAMS[HARNESS] = replace(seams.SEAMS[HARNESS], kwargs=_patched(seams.SEAMS[HARNESS]))
         _model, kwargs, _env, _proc = seams.get(HARNESS).resolve(
             base_url="https://example.invalid/capture", session="probe-session", model="org/model")
         options = kwargs["opencode_config"]["provider"][seams.OPENCODE_PROVIDER]["options"]
@@ -89,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     except SystemExit as exc:
         sys.exit(f"seam_patch: Harbor's {sandbox} preflight: {exc.code}")
     print(f"seam_patch: {HARNESS} seam sends the capture session as apiKey and {HEADER}", flush=True)
+    print(f"seam_patch: an eval's {HARNESS} gets the training rollouts' tools", flush=True)
     print(f"seam_patch: {lifetime}", flush=True)
     print("seam_patch: each rollout's result counts its model calls that failed at the engine", flush=True)
     if args.action == "serve":

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import shutil
 import statistics
 import sys
@@ -37,14 +38,13 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "rehearsal"
 
 # The run's learning rate, group size and steps, chosen for what 2 shared cores allow in an hour. An in-process GRPO
 # simulation of the agent policy's first call (exact answer probabilities, Adam, groups of 8) took the right answer's
-# share of the six trained values 0.38 -> 0.72 in 8 steps at lr 1e-3 and 0.38 -> 0.86 at 2e-3; through the chain at
-# 6e-3 one step wrecked the policy (ratio 0.03, every reply ran to the output cap). A group of 4 has contrast in 75% of
-# groups at a solve rate of 0.3 (1 - 0.3^4 - 0.7^4); 8 rows of OpenCode's ~6k-token prompt took the trainer about 5 min
-# a step on the loaded machine, 4 take half that.
+# share of the six trained values 0.38 -> 0.72 in 8 steps at lr 1e-3 and 0.38 -> 0.86 at 2e-3; through the chain 2e-3
+# moved the policy too far a step from step 6 (ratio 0.67, then 0.35) and 6e-3 wrecked it in one. A group of 4 has
+# contrast in 75% of groups at a solve rate of 0.3 (1 - 0.3^4 - 0.7^4) and costs half a group of 8's trainer time.
 LR = 2e-3
-GROUP = 4
-STEPS = 8
-EVAL_TASKS = 24  # held-out test tasks, each scored once by the base and once by the adapter (paired: McNemar)
+GROUP = 8
+STEPS = 16
+EVAL_TASKS = 40  # held-out test tasks, each scored once by the base and once by the adapter (paired: McNemar)
 EVAL_CONCURRENCY = 8
 GOAL_P = 0.05
 QUICK = {"steps": 2, "group": 2}
@@ -140,7 +140,10 @@ def print_table(rows: list[dict[str, Any]]) -> None:
 
 def evaluate(workdir: Path, concurrency: int) -> dict[str, Any]:
     """eval_adapter.evaluate: the base and the final adapter on every held-out task, through the real chain, the
-    adapter hot-loaded into the engine in LoRA mode (serve_policy.sh with LORA=1)."""
+    adapter hot-loaded into the engine in LoRA mode (serve_policy.sh with LORA=1). The base's cells go to an engine of
+    their own: vLLM 0.31's CPU LoRA path computes a base request batched with an adapter request with the adapter
+    (next-token logprob of the answer's first token, this run's adapter: base alone -0.469, adapter -0.152, base
+    batched with adapter requests -0.153), which made the base look as good as the adapter."""
     import engine
     from agent_policy import MAX_REPLY_TOKENS
     from chain.bucket import Bucket
@@ -151,22 +154,31 @@ def evaluate(workdir: Path, concurrency: int) -> dict[str, Any]:
 
     import adapter_repo
     import eval_adapter
+    import recipe
 
     tasks = workdir / "fixture" / "tasks" / "test"
     names = sorted(p.name for p in (tasks / "tasks").iterdir())
     vllm = engine.Engine(workdir / "model", workdir / "eval-engine", lora=True)
+    base = engine.Engine(workdir / "model", workdir / "eval-base-engine")
     bucket = Bucket(BUCKET, {f"user__{name}": {"table.csv": CHAIN_TABLE} for name in names})
     server = EnvServer(workdir / "eval-chain", tasks, vllm.url, bucket.url, max_output_tokens=MAX_REPLY_TOKENS)
     try:
-        vllm.start()
+        vllm.start(wait=False)
+        base.start()
+        vllm.wait()
         server.start()  # it probes vLLM before it serves
-        factory = eval_adapter.HarborEvalFactory(server.url, vllm.url)
-        doc = eval_adapter.evaluate(LocalHub(workdir / "hub"), ADAPTER_REPO, adapter_repo.FINAL, factory,
-                                    factory.tasks(), eval_adapter.LoraServer(vllm.url), workdir / "eval",
-                                    concurrency=concurrency)
+        os.environ.update(ENV_URL=server.url, VLLM_URL=vllm.url)
+        factory, tasks, lora = eval_adapter.servers(recipe.SANDBOX)
+
+        def routed(task_index: int, model: str) -> Any:
+            return factory(task_index, model, **({"llm_url": base.url} if model == recipe.SERVED_MODEL_NAME else {}))
+
+        doc = eval_adapter.evaluate(LocalHub(workdir / "hub"), ADAPTER_REPO, adapter_repo.FINAL, routed, tasks, lora,
+                                    workdir / "eval", concurrency=concurrency)
     finally:
         server.stop()
         vllm.stop()
+        base.stop()
         bucket.stop()
     return doc["summary"]
 

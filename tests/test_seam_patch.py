@@ -63,6 +63,24 @@ def test_training_resolution_keeps_header_and_training_profile(patched):
     assert config["tools"] == {"task": False, "question": False, "webfetch": False}
 
 
+def trial_tools(tmp_path: Path, training: bool) -> dict:
+    """The tools OpenCode gets in the trial config openenv's run_rollout builds for a rollout (training: the trainer
+    passed its sampling policy; eval: it did not)."""
+    from openenv.harbor.rollout import build_trial_config
+
+    config = build_trial_config(task_dir=tmp_path, harness="opencode", sandbox="e2b", intercept_url="http://x/capture",
+                                session_id=SESSION, model="LiquidAI/LFM2.5-2.6B", trial_name="t", trials_dir=tmp_path,
+                                training=training)
+    return config.agent.kwargs["opencode_config"].get("tools", {})
+
+
+def test_an_eval_rollout_gets_the_tools_its_training_rollouts_had(patched, tmp_path):
+    # openenv turns off delegation, questions and web fetch only where a training sampling policy is passed; an eval
+    # without the patch scored the adapter with three tools it never trained with (a ~1,500-token longer prompt).
+    assert trial_tools(tmp_path, training=False) == trial_tools(tmp_path, training=True)
+    assert trial_tools(tmp_path, training=False) == {"task": False, "question": False, "webfetch": False}
+
+
 def test_apply_twice_changes_nothing(patched):
     before = seams.SEAMS["opencode"]
     config_before = resolve()
