@@ -30,8 +30,8 @@ def choose_split(names: list[str], wanted: str) -> str:
 
 
 class HarborRolloutSession(ResourceSession):
-    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read. An
-    eval's (`purpose="eval"`, explicit `eval_sampling`, no training policy) is made with (task_index, model) only."""
+    """One rollout on the env server, run by `wait_for_completion()`; an eval's (`purpose="eval"`, `eval_sampling`)
+    is made with (task_index, model) only."""
 
     def __init__(self, env_url: str, split: str, task_index: int, model: str = "", *, task_name: str = "",
                  instruction: str = "", llm_url: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
@@ -46,10 +46,8 @@ class HarborRolloutSession(ResourceSession):
                      "agent_timeout_sec": float(agent_timeout_sec), "agent_step_limit": int(agent_step_limit),
                      "purpose": purpose, "sampling": sampling, "eval_sampling": eval_sampling}
         self.result: Any = None  # the env server's HarborRolloutResult, once the rollout returned
-        self.error = ""
-        self.timed_out = False
         self.timing: dict[str, float] = {}  # the trial's phases in seconds (sandbox_lifecycle.trial_timing), at close
-        self._finished = False
+        self.error, self.timed_out, self._finished = "", False, False
 
     # -- ResourceSession: the agent owns its loop inside the sandbox ------------------------------------------------
     def initial_messages(self) -> list[dict[str, Any]]:
@@ -91,13 +89,10 @@ class HarborRolloutSession(ResourceSession):
         """The rollout's exact-token capture as TRL trains it (openenv's contract; raises ValueError if untrainable)."""
         from openenv.harbor.contract import to_training_trace
 
-        if self.result is None:
-            raise ValueError(f"no rollout result to take a trace from: {self.error or 'the rollout did not run'}")
-        return to_training_trace(self.result)
+        return to_training_trace(self.result)  # TRL asks only after wait_for_completion() set the result
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        """The verifier's grade (recipe.graded_reward), None when there is none. A verifier that crashed raises: the
-        rollout is unscorable for its grade, not for the agent."""
+        """The verifier's grade (None: none); a crashed verifier raises: unscorable for its grade, not the agent."""
         if self.result is not None and self.result.exception_type in VERIFIER_FAILURE_TYPES:
             raise RuntimeError(self.error)
         return VerifyResult(env_reward=recipe.graded_reward(self.result), done=True,
@@ -115,8 +110,7 @@ class HarborRolloutSession(ResourceSession):
         return _trials_dir() / self.trial_name if self.trial_name else None
 
     def close(self) -> None:
-        """Once, after the trace and the verdict: time the trial's phases (the ledger records them), then remove its
-        folder, or keep a failed rollout's within the disk budget (sandbox_lifecycle)."""
+        """Once, after the verdict: time the trial, remove its folder or keep a failed one's (sandbox_lifecycle)."""
         import sandbox_lifecycle
 
         if self._finished or self.result is None or self.trial_dir is None:
@@ -160,8 +154,7 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                  "task_index": t["index"]} for t in self.tasks()]
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
-        """A training session for the task whose instruction is this prompt (TRL hands `create()` prompt_rows()'
-        messages, never the task index); KeyError for a prompt not served."""
+        """A training session for the task whose instruction is this prompt (TRL hands create() no task index)."""
         prompt = str(task[-1]["content"]).strip()
         found = next((t for t in self.tasks() if t["instruction"].strip() == prompt), None)
         if found is None:

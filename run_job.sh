@@ -151,7 +151,7 @@ supervise() {
 #    It runs in its own process group (killed on exit) under EVAL_TIMEOUT, or what the smoke deadline leaves.
 final_eval() {
   if [ "$FINAL_EVAL" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=0)"; return 0; fi
-  local limit pid rc=0
+  local limit rc=0
   limit="$(recipe EVAL_TIMEOUT)"
   local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" EVAL_MODE=full CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME"
     LOG_DIR="$LOG_DIR/final-eval")
@@ -168,9 +168,8 @@ final_eval() {
   fi
   cleanup; wait  # every child so far (vllm, env_server), until gone: their GPU and ports free
   setsid "${cmd[@]}" &
-  pid=$!
-  CHILD_PIDS+=("$pid")
-  wait "$pid" || rc=$?
+  CHILD_PIDS+=("$!")
+  wait "$!" || rc=$?
   [ "$rc" -ne 124 ] || die "final eval did not finish within $limit (EVAL_TIMEOUT, or the smoke deadline)"
   [ "$rc" -eq 0 ] || die "final eval failed (status $rc); the trained adapter is already in $ADAPTER_REPO"
   STEP_NOTE="eval/final_results.json pushed to $ADAPTER_REPO"
