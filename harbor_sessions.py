@@ -1,11 +1,9 @@
-"""OpenEnv Harbor sessions for the trainer and the eval, on openenv 0.10.0's public client: one session is one
-`HarborEnv.run_rollout` call to the env server (sandbox, OpenCode through the capture proxy, the task's verifier), an
-openenv `TrainableSession` as TRL 1.15's loop-owning worker requires. Usage and OpenEnv's purpose rules:
-docs/training.md "Harbor sessions"."""
+"""The trainer's and the eval's Harbor sessions on openenv 0.10.0's public client: one session is one
+`HarborEnv.run_rollout` call (sandbox, OpenCode through the capture proxy, the task's verifier), an openenv
+`TrainableSession` as TRL 1.15's loop-owning worker requires. Usage: docs/training.md "Harbor sessions"."""
 
 from __future__ import annotations
 
-import sys
 import threading
 from pathlib import Path
 from typing import Any
@@ -14,11 +12,10 @@ from openenv.core.harness import ResourceSession, ResourceSessionFactory, ToolRe
 
 import recipe
 
-# Harbor's exception types (openenv copies them to `result.exception_type`) for an agent that ran out of time: the
-# verifier still graded the workspace, so the rollout is trained as timed out rather than dropped.
+# Harbor's exception types (`result.exception_type`): an agent out of time, whose workspace the verifier still graded
+# (trained as timed out, not dropped); a verifier that produced no reward (harbor/verifier/verifier.py,
+# harbor/trial/errors.py): the rollout is whole, only its grade is missing (train_rollouts' "verifier").
 AGENT_TIMEOUT_TYPES = ("AgentTimeoutError",)
-# Harbor's exceptions for a verifier that ran after the agent and produced no reward (harbor/verifier/verifier.py,
-# harbor/trial/errors.py): the agent's rollout is whole, only its grade is missing (train_rollouts' "verifier").
 VERIFIER_FAILURE_TYPES = ("AddTestsDirError", "VerifierOutputParseError", "DownloadVerifierDirError",
                           "RewardFileNotFoundError", "RewardFileEmptyError", "VerifierTimeoutError")
 
@@ -33,8 +30,8 @@ def choose_split(names: list[str], wanted: str) -> str:
 
 
 class HarborRolloutSession(ResourceSession):
-    """One rollout on the env server: `wait_for_completion()` runs it, then the trace and the verdict are read. An
-    eval's (`purpose="eval"`, explicit `eval_sampling`, no training policy) is made with (task_index, model) only."""
+    """One rollout on the env server, run by `wait_for_completion()`; an eval's (`purpose="eval"`, `eval_sampling`)
+    is made with (task_index, model) only."""
 
     def __init__(self, env_url: str, split: str, task_index: int, model: str = "", *, task_name: str = "",
                  instruction: str = "", llm_url: str = "", harness: str = "opencode", sandbox: str = recipe.SANDBOX,
@@ -49,10 +46,8 @@ class HarborRolloutSession(ResourceSession):
                      "agent_timeout_sec": float(agent_timeout_sec), "agent_step_limit": int(agent_step_limit),
                      "purpose": purpose, "sampling": sampling, "eval_sampling": eval_sampling}
         self.result: Any = None  # the env server's HarborRolloutResult, once the rollout returned
-        self.error = ""
-        self.timed_out = False
         self.timing: dict[str, float] = {}  # the trial's phases in seconds (sandbox_lifecycle.trial_timing), at close
-        self._finished = False
+        self.error, self.timed_out, self._finished = "", False, False
 
     # -- ResourceSession: the agent owns its loop inside the sandbox ------------------------------------------------
     def initial_messages(self) -> list[dict[str, Any]]:
@@ -66,10 +61,9 @@ class HarborRolloutSession(ResourceSession):
 
     # -- TrainableSession ---------------------------------------------------------------------------------------------
     def wait_for_completion(self, timeout_s: float | None = None) -> int:
-        """Run the rollout: 0 when it ran and was graded, 1 when the env server reports it failed (`error` says why);
-        a client-side failure raises. An agent that ran out of time raises TimeoutError after the verifier graded it:
-        TRL then trains its captured turns, flagged timed out, with that reward. Harbor enforces the agent timeout
-        inside the rollout, so `timeout_s` is not used."""
+        """Run the rollout: 0 when it ran (graded, or its verifier failed), 1 when the env server reports it failed
+        (`error` says why). An agent out of time raises TimeoutError after the verifier graded it: TRL trains its
+        turns, flagged timed out, with that reward. Harbor enforces the agent timeout, so `timeout_s` is unused."""
         from openenv.harbor.client import HarborEnv
 
         # One client per rollout: its MCP socket is not shareable.
@@ -95,13 +89,10 @@ class HarborRolloutSession(ResourceSession):
         """The rollout's exact-token capture as TRL trains it (openenv's contract; raises ValueError if untrainable)."""
         from openenv.harbor.contract import to_training_trace
 
-        if self.result is None:
-            raise ValueError(f"no rollout result to take a trace from: {self.error or 'the rollout did not run'}")
-        return to_training_trace(self.result)
+        return to_training_trace(self.result)  # TRL asks only after wait_for_completion() set the result
 
     def verify(self, transcript: list[dict[str, Any]], final_state: Any | None = None) -> VerifyResult:
-        """The verifier's grade (recipe.graded_reward), None when there is none. A verifier that crashed raises: the
-        rollout is unscorable for its grade, not for the agent."""
+        """The verifier's grade (None: none); a crashed verifier raises: unscorable for its grade, not the agent."""
         if self.result is not None and self.result.exception_type in VERIFIER_FAILURE_TYPES:
             raise RuntimeError(self.error)
         return VerifyResult(env_reward=recipe.graded_reward(self.result), done=True,
@@ -113,16 +104,13 @@ class HarborRolloutSession(ResourceSession):
 
     @property
     def trial_dir(self) -> Path | None:
-        """The env server's Harbor trial folder of this rollout (trial result, agent and verifier logs); the env server
-        runs in this container, with this environment."""
+        """This rollout's Harbor trial folder (result, agent and verifier logs): the env server shares our env."""
         from openenv.harbor.environment import _trials_dir
 
         return _trials_dir() / self.trial_name if self.trial_name else None
 
     def close(self) -> None:
-        """Once, after the trace and the verdict were taken: time the trial's phases (the guard's ledger records them),
-        then remove its folder, or keep a failed rollout's within the disk budget (sandbox_lifecycle). The env server
-        owns the sandbox."""
+        """Once, after the verdict: time the trial, remove its folder or keep a failed one's (sandbox_lifecycle)."""
         import sandbox_lifecycle
 
         if self._finished or self.result is None or self.trial_dir is None:
@@ -148,8 +136,7 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
         self._tasks: list[dict[str, Any]] = []
 
     def tasks(self) -> list[dict[str, Any]]:
-        """[{index, task_name, instruction}] of the split (choose_split), fetched once, under a lock: TRL's pool threads
-        may all ask at once."""
+        """[{index, task_name, instruction}] of the split, fetched once, locked: TRL's pool threads ask at once."""
         with self._lock:
             if not self._tasks:
                 from openenv.harbor.client import HarborEnv
@@ -167,8 +154,7 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
                  "task_index": t["index"]} for t in self.tasks()]
 
     def create(self, task: Any, seed: int | None = None, episode_id: str | None = None) -> HarborRolloutSession:
-        """A training session for the task whose instruction is this prompt (TRL hands `create()` prompt_rows()'
-        messages, never the task index); KeyError for a prompt not served."""
+        """A training session for the task whose instruction is this prompt (TRL hands create() no task index)."""
         prompt = str(task[-1]["content"]).strip()
         found = next((t for t in self.tasks() if t["instruction"].strip() == prompt), None)
         if found is None:
@@ -176,26 +162,3 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
         return HarborRolloutSession(self.env_url, split=self.split, task_index=found["index"],
                                     task_name=found["task_name"], instruction=found["instruction"],
                                     purpose="train", sampling=self.sampling, **self.session_kwargs)
-
-
-def check() -> str:
-    """run_job.sh's step 2, in the job's interpreter: the sessions are the installed openenv's TrainableSessions (TRL
-    1.15 would otherwise refuse the first rollout, after vLLM started)."""
-    from importlib import metadata
-
-    from openenv.core.harness import TrainableSession
-
-    version = metadata.version("openenv")
-    if not issubclass(HarborRolloutSession, TrainableSession):
-        raise recipe.ConfigError(f"openenv {version}'s TrainableSession is not what harbor_sessions.py implements: "
-                                 "install the recipe's pinned openenv")
-    return f"harbor_sessions: sessions are trainable on openenv {version}"
-
-
-if __name__ == "__main__":
-    if sys.argv[1:] != ["check"]:
-        sys.exit("usage: python3 harbor_sessions.py check")
-    try:
-        print(check())
-    except recipe.ConfigError as error:
-        sys.exit(f"harbor_sessions: {error}")

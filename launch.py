@@ -7,9 +7,8 @@
     ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL uv run launch.py smoke   # first; then train, eval-watch, eval
     .venv/bin/python launch.py train --dry-run    # prints the job spec and the upload list, touches nothing
 
-`uv run` reads the inline metadata above: run_job(expose_public=...) needs huggingface_hub>=2.1.1, which the training
-stack's pins exclude. Every check runs before anything is uploaded or started, each failure one line with its fix. The
-token (HF_TOKEN, or the stored `hf auth login` one) is never printed.
+`uv run` brings the inline metadata's huggingface_hub (check_hub_version says why). Every check runs before anything is
+uploaded or started, each failure one line with its fix; the token (HF_TOKEN, or `hf auth login`'s) is never printed.
 """
 
 from __future__ import annotations
@@ -41,7 +40,7 @@ JOB_FILES = ("run_job.sh", "run_eval.sh", "run_eval_watch.sh", "recipe.py", "com
              "dashboard.py", "sandbox_lifecycle.py", "trajectories.py", "train_lora.py", "train_callbacks.py",
              "train_weight_sync.py", "train_rollouts.py", "train_metrics.py", "model_cards.py", "train_resume.py",
              "smoke_report.py")
-MODES: dict[str, dict[str, Any]] = {  # a smoke's timeout is its plan's cap (smoke_timeout)
+MODES: dict[str, dict[str, Any]] = {  # a smoke's timeout is its plan's cap (set in launch())
     "train": {"script": ar.TRAIN_SCRIPT, "flavor": recipe.TRAIN_FLAVOR, "timeout": recipe.TRAIN_TIMEOUT},
     "smoke": {"script": ar.TRAIN_SCRIPT, "flavor": recipe.TRAIN_FLAVOR, "timeout": None},
     "eval-watch": {"script": "run_eval_watch.sh", "flavor": recipe.EVAL_FLAVOR, "timeout": recipe.EVAL_WATCH_TIMEOUT},
@@ -100,8 +99,7 @@ def bundle_files(bundle: Path) -> list[str]:
 
 
 def check_bundle(bundle: Path) -> list[str]:
-    """The bundle's files, every one a job runs among them (JOB_FILES), and its task lists as prepare_tasks.py checks
-    them (400 medium + 600 hard, 250 test)."""
+    """The bundle's files; refused without a file a job runs (JOB_FILES) or with lists prepare_tasks.py refuses."""
     import prepare_tasks
 
     if not bundle.is_dir():
@@ -152,9 +150,8 @@ def check_no_live_job(api: Any, mode: str, adapter_repo: str, job_vars: dict[str
 
 
 def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str, job_vars: dict[str, str]) -> list[str]:
-    """The token may write both repos (the Hub's own auth-check) before anything is uploaded or started: the job
-    would find a read-only ADAPTER_REPO only after install, tasks and servers. Training creates its repo as its job
-    would; an eval watcher's repo that does not exist yet is its training job's to create: a note says so."""
+    """The token may write both repos (the Hub's auth-check; the trainer's own check comes after install, tasks and
+    servers). Training creates its repo; an eval watcher's missing repo is its training job's to create (a note)."""
     from huggingface_hub.errors import RepositoryNotFoundError
 
     ar.require_write_access(api, code_repo)
@@ -180,15 +177,15 @@ def job_command(code_repo: str, revision: str, script: str) -> list[str]:
 
 
 def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
-    """The environment the job's script reads (everything else comes from recipe.py inside the bundle): each knob
-    checked against the others as the job's own preflight will, and written as the job reads it (flags as 1/0)."""
+    """The job's environment (the rest is the bundle's recipe.py), each knob checked as the job's preflight will."""
     job = {"ADAPTER_REPO": adapter_repo}
     if mode == "train":
         job["MAX_STEPS"] = str(recipe.knob("MAX_STEPS", env, args.max_steps))
         if int(job["MAX_STEPS"]) <= recipe.SMOKE_STEPS:  # smoke-sized: no 250-task final eval unless asked for
             job["FINAL_EVAL"] = "0"  # a given FINAL_EVAL overrides it; notes() says so
-    elif mode == "smoke":  # run_job.sh refuses any other numbers: they are the ones the smoke plan budgets
-        p = smoke_report.plan(smoke_steps(args, env))
+    elif mode == "smoke":  # run_job.sh refuses other numbers than the plan's; MAX_STEPS defaults to SMOKE_STEPS
+        raw = str(args.max_steps if args.max_steps is not None else env.get("MAX_STEPS", "")).strip()
+        p = smoke_report.plan(recipe.knob("MAX_STEPS", value=raw) if raw else recipe.SMOKE_STEPS)
         job.update(MODE="smoke", MAX_STEPS=str(p["steps"]), SAVE_STEPS=str(p["save_steps"]),
                    EVAL_TASKS=str(p["eval_tasks"]))
     elif mode == "eval-watch":
@@ -203,12 +200,6 @@ def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[st
             job[name] = raw
     return {name: recipe.shell_value(recipe.knob(name, job)) if name in recipe.KNOBS else value
             for name, value in job.items()}
-
-
-def smoke_steps(args: argparse.Namespace, env: dict[str, str]) -> int:
-    """The smoke's MAX_STEPS (flag, else environment, else the recipe's SMOKE_STEPS): fewer may be asked for."""
-    raw = str(args.max_steps if args.max_steps is not None else env.get("MAX_STEPS", "")).strip()
-    return smoke_report.checked_steps(recipe.knob("MAX_STEPS", value=raw) if raw else recipe.SMOKE_STEPS)
 
 
 def notes(mode: str, job: dict[str, str], args: argparse.Namespace, asked_repo: str) -> list[str]:
@@ -261,15 +252,6 @@ def cost(mode: str, job: dict[str, str], timeout: str) -> dict[str, Any]:
             "stop": f"{HF_CLI} jobs cancel <job id>"}
 
 
-def smoke_timeout(mode: str, args: argparse.Namespace, job: dict[str, str]) -> str | None:
-    """The job's cap for the smoke modes, from the smoke plan's worst case (None: the mode's fixed cap)."""
-    if mode == "smoke":
-        return smoke_report.plan(int(job["MAX_STEPS"]))["timeout"]
-    if mode == "eval-watch" and args.smoke:
-        return smoke_report.duration(smoke_report.plan()["watch_cap_s"])
-    return None
-
-
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
              timeout: str | None = None) -> dict[str, Any]:
     """The keyword arguments of `run_job` (every job runs OpenCode in remote sandboxes: all expose /capture)."""
@@ -282,18 +264,10 @@ def dashboard_info(job: dict[str, str], owner: str) -> dict[str, str] | None:
     """Where the run's Trackio dashboard will be: a private Space under the token's owner, or local logs."""
     if recipe.knob("REPORT_TO", job) != "trackio":
         return None
-    info = {"project": dashboard.project(job["ADAPTER_REPO"])}
     space = dashboard.space(job)
-    if space:
-        info["url"] = dashboard.SPACE_URL.format(dashboard.space_id(space, owner))
-    else:
-        info["local"] = "Trackio logs stay in the job (DASHBOARD_SPACE=local)"
-    return info
-
-
-def redacted(spec: dict[str, Any]) -> dict[str, Any]:
-    """The spec with every secret value replaced, safe to print."""
-    return {**spec, "secrets": dict.fromkeys(spec["secrets"], REDACTED)}
+    where = ({"url": dashboard.SPACE_URL.format(dashboard.space_id(space, owner))} if space
+             else {"local": "Trackio logs stay in the job (DASHBOARD_SPACE=local)"})
+    return {"project": dashboard.project(job["ADAPTER_REPO"]), **where}
 
 
 # --- upload + launch -------------------------------------------------------------------------------------
@@ -334,13 +308,13 @@ def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespac
                             f"{recipe.SMOKE_WATCH_TASKS} tasks; launch it next to `smoke`")
     evaluate = sub.add_parser("eval", parents=[common], help="standalone base-vs-adapter eval of one checkpoint")
     evaluate.add_argument("--checkpoint", help="checkpoint-N or final (env CHECKPOINT, default final)")
-    for mode, sub_parser in (("train", train), ("smoke", smoke), ("eval-watch", watch), ("eval", evaluate)):
+    subs = dict(zip(MODES, (train, smoke, watch, evaluate), strict=True))
+    for mode, sub_parser in subs.items():
         for name in JOB_KNOBS[mode]:
             knob_flag(sub_parser, name)
     args, unknown = parser.parse_known_args(argv)
     if unknown:  # argparse would answer with the top-level usage; the subcommand's lists the flags that exist
-        dict(zip(MODES, (train, smoke, watch, evaluate), strict=True))[args.mode].error(
-            f"unrecognized arguments: {' '.join(unknown)}")
+        subs[args.mode].error(f"unrecognized arguments: {' '.join(unknown)}")
     return args
 
 
@@ -376,13 +350,16 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     said = {"notes": told} if told else {}
     # What the job's one pip call installs (`recipe.py --requirements SANDBOX`): the job's pins and the backend's.
     said["install"] = [line for line in recipe.requirements(sandbox).splitlines() if line and not line.startswith("#")]
-    timeout = smoke_timeout(mode, args, job_vars)
+    plan = smoke_report.plan(int(job_vars["MAX_STEPS"])) if mode == "smoke" else None  # what it does within its cap
+    watch_cap_s = smoke_report.plan()["watch_cap_s"] if mode == "eval-watch" and args.smoke else None
+    timeout = plan["timeout"] if plan else smoke_report.duration(watch_cap_s) if watch_cap_s else None  # smoke caps
     said["cost"] = cost(mode, job_vars, timeout or MODES[mode]["timeout"])
-    if mode == "smoke":  # what the job will do within its cap: its plan
-        said["smoke_plan"] = smoke_report.plan(int(job_vars["MAX_STEPS"]))
+    if plan:
+        said["smoke_plan"] = plan
+    shown = dict.fromkeys(secrets, REDACTED)  # what is printed: never a secret's value
     if args.dry_run:
-        spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, secrets, timeout)
-        return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files},
+        spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, shown, timeout)
+        return {"job": spec, "upload": {"repo": code_repo, "files": files},
                 "dashboard": dashboard_info(job_vars, TOKEN_OWNER), **said}
     from huggingface_hub import CommitOperationAdd
 
@@ -406,7 +383,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
               f"follow logs:  {HF_CLI} jobs logs -f {job.id}", f"stop it:      {HF_CLI} jobs cancel {job.id}"]
     if board:
         follow.append(f"dashboard:    {board.get('url') or board['local']} (Trackio project {board['project']})")
-    return {"job": redacted(spec), "upload": {"repo": code_repo, "files": files, "revision": revision},
+    return {"job": {**spec, "secrets": shown}, "upload": {"repo": code_repo, "files": files, "revision": revision},
             "follow": follow, "dashboard": board, **said}
 
 

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# The HF Job entrypoint (vllm/vllm-openai image, h200x2): installs the pinned stack next to vLLM, checks the session
-# client and the seam patch, prepares the tasks, starts vLLM (GPU 1) and the env server, trains the LoRA (GPU 0) under a
-# stall watchdog, then runs the final base-vs-adapter eval. MODE=smoke is the smoke run (docs/smoke.md).
+# The HF Job entrypoint (vllm/vllm-openai image, h200x2): installs the pinned stack next to vLLM, checks the seam
+# patch, prepares the tasks, starts vLLM (GPU 1) and the env server, trains the LoRA (GPU 0) under a stall watchdog,
+# then runs the final base-vs-adapter eval. MODE=smoke is the smoke run (docs/smoke.md).
 #
 #   bash run_job.sh                                                     # inside the job (see README "Your path")
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_job.sh  # print the plan, start nothing
@@ -22,9 +22,9 @@ read_knobs() {
   LOOPBACK="$(recipe LOOPBACK)"; TRAINER_GPU="$(recipe TRAINER_GPU)"; VLLM_GPU="$(recipe VLLM_GPU)"
   JOB_FLAVOR="$(recipe TRAIN_FLAVOR)"
   env_knobs MODE
-  STEPS=8
+  STEPS=7
   if [ "$MODE" = smoke ]; then  # the plan's line, then its MAX_STEPS SAVE_STEPS EVAL_TASKS deadline (others refused)
-    STEPS=9
+    STEPS=8
     SMOKE_PLAN="$("$PYTHON" "$HERE/smoke_report.py" plan 2>&1)" || die "$(tail -n 1 <<<"$SMOKE_PLAN")"
     read -r MAX_STEPS SAVE_STEPS EVAL_TASKS DEADLINE_S <<<"${SMOKE_PLAN##*$'\n'}"
     export MAX_STEPS SAVE_STEPS EVAL_TASKS
@@ -60,13 +60,13 @@ smoke_job_report() {
   do_cmd "$PYTHON" "$HERE/smoke_report.py" report --work-dir "$WORK_DIR" --stages "$STAGES_FILE"
 }
 
-# py_step NOTE SCRIPT ARG...: one of the bundle's Python checks or preparations (steps 2-4), NOTE once it is done.
+# py_step NOTE SCRIPT ARG...: one of the bundle's Python checks or preparations (steps 2-3), NOTE once it is done.
 py_step() {
   do_cmd "$PYTHON" "$HERE/$2" "${@:3}"
   STEP_NOTE="$1"
 }
 
-# 5. vLLM on its GPU, loopback only.
+# 4. vLLM on its GPU, loopback only.
 start_policy() {
   local -a vars=(GPU="$VLLM_GPU" HOST="$LOOPBACK" PORT="$POLICY_PORT" LORA=0)
   launch vllm env "${vars[@]}" bash "$HERE/serve_policy.sh"
@@ -75,7 +75,7 @@ start_policy() {
   STEP_NOTE="vLLM on GPU $VLLM_GPU at $VLLM_URL"
 }
 
-# 6. Env server on loopback, capture public at https://<public host>/capture through the gateway.
+# 5. Env server on loopback, capture public at https://<public host>/capture through the gateway.
 start_env_server() {
   local -a vars=(DATASETS="$TASKS_DIR/train" SPACE_HOST="$PUBLIC_HOSTNAME" POLICY_URL="$VLLM_URL"
     ENV_HOST="$LOOPBACK" ENV_PORT="$ENV_PORT" PUBLIC_PORT="$PUBLIC_PORT")
@@ -86,7 +86,7 @@ start_env_server() {
   STEP_NOTE="env server at $ENV_URL, capture public at $CAPTURE_URL"
 }
 
-# 7. The trainer, supervised until it exits. The smoke run stops it after its first checkpoint (STOP_AFTER_STEP).
+# 6. The trainer, supervised until it exits. The smoke run stops it after its first checkpoint (STOP_AFTER_STEP).
 train() {
   if [ "$MODE" = smoke ]; then
     run_trainer trainer "$OUTPUT_DIR" STOP_AFTER_STEP="$SAVE_STEPS"
@@ -97,7 +97,7 @@ train() {
   fi
 }
 
-# 8 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder; the
+# 7 (smoke). A second start, as a relaunched job: resumes from that checkpoint on the Hub into an empty folder; the
 #    first start's rollout counts kept aside (recipe.keep_ledger_aside), where smoke_report.py reads them.
 resume_training() {
   if dry_run; then echo "  keep the first start's rollout counts aside: $WORK_DIR/$(recipe KEPT_LEDGER_GLOB)"; else
@@ -113,8 +113,8 @@ run_trainer() {
   local name="$1" output="$2"
   shift 2
   local -a vars=(CUDA_VISIBLE_DEVICES="$TRAINER_GPU" ADAPTER_REPO="$ADAPTER_REPO" MAX_STEPS="$MAX_STEPS"
-    SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" CAPTURE_URL="$CAPTURE_URL"
-    OUTPUT_DIR="$output" HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
+    SAVE_STEPS="$SAVE_STEPS" VLLM_URL="$VLLM_URL" ENV_URL="$ENV_URL" OUTPUT_DIR="$output"
+    HEARTBEAT_FILE="$HEARTBEAT_FILE" RESUME="$RESUME" WEIGHT_SYNC="$WEIGHT_SYNC"
     LEARNING_RATE="$LEARNING_RATE" MAX_STALENESS="$MAX_STALENESS" SANDBOX="$SANDBOX" DEBUG=1 "$@")
   dry_run || { mkdir -p "$WORK_DIR"; touch "$HEARTBEAT_FILE"; }  # the stall clock starts with this start
   launch "$name" env "${vars[@]}" "$PYTHON" "$HERE/train_lora.py"
@@ -147,11 +147,11 @@ supervise() {
   done
 }
 
-# 9. Final eval: the training servers make way (GPU and ports) for run_eval.sh's LoRA-mode vLLM and env server.
+# 7 (8 in a smoke). Final eval: the training servers make way (GPU and ports) for run_eval.sh's LoRA-mode vLLM and env server.
 #    It runs in its own process group (killed on exit) under EVAL_TIMEOUT, or what the smoke deadline leaves.
 final_eval() {
   if [ "$FINAL_EVAL" != "1" ]; then STEP_NOTE="skipped (FINAL_EVAL=0)"; return 0; fi
-  local limit pid rc=0
+  local limit rc=0
   limit="$(recipe EVAL_TIMEOUT)"
   local -a vars=(ADAPTER_REPO="$ADAPTER_REPO" EVAL_MODE=full CHECKPOINT=final SPACE_HOST="$PUBLIC_HOSTNAME"
     LOG_DIR="$LOG_DIR/final-eval")
@@ -168,9 +168,8 @@ final_eval() {
   fi
   cleanup; wait  # every child so far (vllm, env_server), until gone: their GPU and ports free
   setsid "${cmd[@]}" &
-  pid=$!
-  CHILD_PIDS+=("$pid")
-  wait "$pid" || rc=$?
+  CHILD_PIDS+=("$!")
+  wait "$!" || rc=$?
   [ "$rc" -ne 124 ] || die "final eval did not finish within $limit (EVAL_TIMEOUT, or the smoke deadline)"
   [ "$rc" -eq 0 ] || die "final eval failed (status $rc); the trained adapter is already in $ADAPTER_REPO"
   STEP_NOTE="eval/final_results.json pushed to $ADAPTER_REPO"
@@ -180,19 +179,17 @@ main() {
   begin_job read_knobs
   step 0 preflight preflight
   step 1 install install_stack
-  step 2 openenv py_step "Harbor sessions satisfy openenv's TrainableSession (no OpenEnv checkout needed)" \
-    harbor_sessions.py check
-  step 3 seam-patch py_step "opencode sends the capture session as x-api-key (the Jobs proxy strips Authorization)" \
+  step 2 seam-patch py_step "opencode sends the capture session as x-api-key (the Jobs proxy strips Authorization)" \
     seam_patch.py check
-  step 4 tasks py_step "train tasks in $TASKS_DIR/train" prepare_tasks.py --out "$TASKS_DIR" --split train
-  step 5 vllm start_policy
-  step 6 env-server start_env_server
-  step 7 train train
+  step 3 tasks py_step "train tasks in $TASKS_DIR/train" prepare_tasks.py --out "$TASKS_DIR" --split train
+  step 4 vllm start_policy
+  step 5 env-server start_env_server
+  step 6 train train
   if [ "$MODE" = smoke ]; then
-    step 8 resume resume_training
-    step 9 final-eval final_eval
-  else
+    step 7 resume resume_training
     step 8 final-eval final_eval
+  else
+    step 7 final-eval final_eval
   fi
   log "run_job: done"
 }

@@ -68,8 +68,7 @@ class Heartbeat(TrainerCallback):
 
 
 class RunLog(TrainerCallback):
-    """Appends each trainer start and every logged step to train_log.json across resumed starts (the smoke report
-    reads it; docs/training.md gives its schema)."""
+    """Appends each trainer start and logged step to train_log.json across starts (schema: docs/training.md)."""
 
     def __init__(self, path: str | Path, resumed_from: int | None) -> None:
         self.path, self.resumed_from = Path(path), resumed_from
@@ -92,8 +91,7 @@ class RunLog(TrainerCallback):
 
 
 class StopAfterStep(TrainerCallback):
-    """Ends training right after step N is saved and pushed: the smoke run's first start, which a second resumes
-    from the Hub as a relaunched job would."""
+    """Ends training once step N is saved and pushed: the smoke's first start, which a second resumes from the Hub."""
 
     def __init__(self, step: int) -> None:
         self.step = step

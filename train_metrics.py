@@ -1,6 +1,5 @@
 """What one optimizer step optimises and logs on top of TRL 1.15: StepObjective (the trainer's) and RecipeRolloutLoop
-(the rollout child's); docs/training.md "Reading the dashboard" reads the metrics.
-"""
+(the rollout child's); docs/training.md "Reading the dashboard" reads the metrics."""
 
 from __future__ import annotations
 
@@ -187,8 +186,7 @@ class SafeTrackioCallback(TrackioCallback):
 
 
 def attach(trainer: Any, ledger_file: str | Path) -> None:
-    """Swap the trainer's Trackio callback for the fail-safe one; count the rollout ledger's growth per step (made
-    before train() starts the rollout child, which begins the ledger at `ledger_file`)."""
+    """Swap in the fail-safe Trackio callback; count the ledger's growth per step (from before the child starts)."""
     if trainer.pop_callback(TrackioCallback) is not None:
         trainer.add_callback(SafeTrackioCallback())
     trainer._growth = LedgerGrowth(ledger_file)

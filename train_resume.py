@@ -1,6 +1,5 @@
 """Where a relaunched trainer resumes in the task stream: after every group already consumed (taken off the rollout
-queue, or scored to no sample), redoing only the ones in flight at the save (docs/training.md "Resume position").
-"""
+queue, or scored to no sample), redoing only the ones in flight at the save (docs/training.md "Resume position")."""
 
 from __future__ import annotations
 
@@ -39,8 +38,7 @@ class PositionedRolloutLoop(RecipeRolloutLoop):
         self._empty: set[int] = set()
 
     def _repeat_iterator(self) -> Iterator[tuple[int, dict[str, Any]]]:
-        """TRL's stream (the dataset from the start index, wrapping around, each row `num_generations` times), with
-        group id = offset from the start index, so `start + group id` is the row; consumed offsets are skipped."""
+        """TRL's stream, each group's id its row's offset from the start index; consumed offsets are skipped."""
         size = len(self.dataset)
         for offset in itertools.count():
             if offset in self._skip:

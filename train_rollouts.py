@@ -1,6 +1,5 @@
 """Rollout-level failures: each one costs a rollout (unscorable, counted in the rollout ledger), only a systematic one
-stops the job. `guarded()` wraps TRL's session factory; docs/training.md "Rollout failures" has the classes.
-"""
+stops the job. `guarded()` wraps TRL's session factory; docs/training.md "Rollout failures" has the classes."""
 
 from __future__ import annotations
 
@@ -119,8 +118,7 @@ class Ledger:
 
 
 class Capture(NamedTuple):
-    """What TRL 1.15 trains a rollout's trace as: its rows, whether it forked, its tool calls (TRL's own counts), and
-    its turns the engine cut at the output cap (finish_reason "length")."""
+    """What TRL 1.15 makes of a trace: its rows, a fork, its tool calls, its turns cut at the output cap."""
 
     sequences: list[Any]
     forked: bool
@@ -157,8 +155,7 @@ class GuardedSession:
         self.inner, self.ledger, self.task = inner, ledger, task
         self.reward: float | None = None
         self.failure: str | None = None
-        self.error = ""
-        self.timed_out = False
+        self.error, self.timed_out = "", False
         self.capture: Capture | None = None  # set once the trace passed fetch_training_trace's checks
         self._phase = "new"  # -> "waiting" -> "ended" (the wait returned or raised) -> "recorded"; or -> "stopped"
 
@@ -177,8 +174,8 @@ class GuardedSession:
             code = self.inner.wait_for_completion(timeout_s)
         except TimeoutError as error:
             self.timed_out = True  # TRL trains the captured turns with timed_out flagged, unless the engine failed
-            if self._upstream():
-                raise self._fail("upstream", self._upstream()) from error
+            if why := self._upstream():
+                raise self._fail("upstream", why) from error
             raise
         except Exception as error:
             raise self._fail("rollout", describe(error)) from error
@@ -186,8 +183,8 @@ class GuardedSession:
             if self._phase == "waiting":  # not "stopped": closed while it ran, the trainer is stopping
                 self._phase = "ended"
         result = getattr(self.inner, "result", None)  # HarborSession keeps the server's verdict here
-        if self._upstream():
-            self._fail("upstream", self._upstream())
+        if why := self._upstream():
+            self._fail("upstream", why)
         elif code and recipe.graded_reward(result) is None:  # a graded non-zero exit trains with its grade
             reason = getattr(result, "error", None) or getattr(self.inner, "error", None) or ""
             self._fail("rollout", f"exit code {code}" + (f": {reason}" if reason else ""))

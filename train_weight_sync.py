@@ -1,7 +1,5 @@
-"""Merge-free weight sync for TRL 1.15's AsyncGRPOTrainer: stream bf16(W + s·B·A) per tensor, never merge the base.
-
-Bit-identical to TRL's merge -> send fp32 -> unmerge as vLLM stores it, with half the NCCL bytes (docs/training.md).
-"""
+"""Merge-free weight sync for TRL 1.15's AsyncGRPOTrainer: stream bf16(W + s·B·A) per tensor, never merge the base;
+bit-identical to TRL's merge -> send fp32 -> unmerge as vLLM stores it, with half the NCCL bytes (docs/training.md)."""
 
 from __future__ import annotations
 
@@ -25,7 +23,7 @@ logger = get_logger(__name__)
 
 
 def send_dtype() -> torch.dtype:
-    """The dtype vLLM serves, which is the dtype the merge-free stream sends."""
+    """The dtype vLLM serves, and so the stream's."""
     return getattr(torch, recipe.SERVE_DTYPE)
 
 
@@ -63,16 +61,11 @@ def merged_weight(layer: LoraLayer, weight: torch.Tensor, dtype: torch.dtype) ->
     return out.to(dtype)
 
 
-def merge_free_named_tensors(
-    model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None,
-    ready: torch.cuda.Event | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (vLLM name, tensor in `dtype`) for every weight vLLM receives, merged on the fly, one at a time.
-
-    Each tensor is made on the consumer's current stream when it asks for it: TRL's NCCL producer pulls it in its own
-    thread under streams of vLLM's, switching between buffers, so the wait on `ready` (the trainer's last optimizer
-    step) is queued per tensor.
-    """
+def merge_free_named_tensors(model: torch.nn.Module, dtype: torch.dtype, device: torch.device | None = None,
+                             ready: torch.cuda.Event | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (vLLM name, tensor in `dtype`) for every weight vLLM receives, merged on the fly, one at a time. Each is
+    made on the consumer's current stream when asked for (TRL's NCCL producer pulls in its own thread under vLLM's
+    streams), so the wait on `ready` (the trainer's last optimizer step) is queued per tensor."""
     layers = lora_layers_by_weight(model) if is_peft_model(model) else {}
     for name, param in _iter_vllm_named_params(model):
         weight, layer = _full(param, device), layers.get(id(param))
@@ -105,10 +98,8 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
         TRL built it from the fp32 params. An injected weight_transfer (tests, custom backends) keeps its own."""
         if type(self.weight_transfer) is WeightTransferClient:
             self.weight_transfer = WeightTransferClient(
-                vllm_client=self.vllm_client,
-                weight_update_info=send_manifest(self.accelerator.unwrap_model(self.model), self.sync_dtype),
-                weight_sync_timeout=self.args.weight_sync_timeout,
-            )
+                vllm_client=self.vllm_client, weight_sync_timeout=self.args.weight_sync_timeout,
+                weight_update_info=send_manifest(self.accelerator.unwrap_model(self.model), self.sync_dtype))
 
     def _merge_free_iter(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream, with an event on this thread's stream: TRL's NCCL producer consumes it in another thread."""

@@ -57,8 +57,7 @@ def trajectory(result: Any, *, task: str | None, reward: float | None, tool_call
 
 # --- the page --------------------------------------------------------------------------------------------------------
 def repo_docs(api: Any, repo_id: str, revision: str | None = None) -> dict[str, Any]:
-    """What the page shows, read from the repo: {"train_logs": {job: doc}, "samples": {checkpoint: [trajectory]},
-    "summary": the watcher's summary or None}."""
+    """From the repo: {"train_logs": {job: doc}, "samples": {checkpoint: [trajectory]}, "summary": the watcher's}."""
     docs: dict[str, Any] = {"train_logs": {}, "samples": {}, "summary": None}
     for path in api.list_repo_files(repo_id, revision=revision):
         if match := _TRAIN_LOG.match(path):
@@ -71,8 +70,7 @@ def repo_docs(api: Any, repo_id: str, revision: str | None = None) -> dict[str, 
 
 
 def _curve(train_logs: dict[str, Any], summary: dict[str, Any] | None) -> str:
-    """An SVG of the training reward per step (a line), the watcher's pass@1 per checkpoint (dots) and the base
-    model's (a dashed line)."""
+    """An SVG: the training reward per step (line), the watcher's pass@1 per checkpoint (dots), the base's (dashed)."""
     rewards = sorted({row["step"]: row["reward"] for doc in train_logs.values() for row in (doc or {}).get("logs", [])
                       if isinstance(row.get("reward"), int | float)}.items())
     evals = [(r["step"], r["pass_at_1"]) for r in (summary or {}).get("checkpoints", [])

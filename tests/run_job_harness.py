@@ -26,8 +26,7 @@ REAL = ["run_job.sh", "common.sh", "recipe.py", "image_check.py", "serve_policy.
         "seam_patch.py", "capture_gateway.py", "train_rollouts.py", "trajectories.py", "adapter_repo.py",
         "sandbox_lifecycle.py"]
 FAKES = {"train_lora.py": "fake_trainer.py", "prepare_tasks.py": "fake_prepare_tasks.py",
-         "run_eval.sh": "fake_run_eval.sh", "smoke_report.py": "fake_smoke_report.py",
-         "harbor_sessions.py": "fake_harbor_sessions.py"}
+         "run_eval.sh": "fake_run_eval.sh", "smoke_report.py": "fake_smoke_report.py"}
 SECRET = "hf_secret_token_value"
 
 

@@ -27,8 +27,8 @@ def test_dry_run_prints_ordered_plan_and_starts_nothing(job):
     out = run_job(job, DRY_RUN="1", STUB_GPUS="none", MAX_STEPS="20", LEARNING_RATE="0.00001")
     assert out.returncode == 0, out.stderr
     lines = out.stdout.splitlines()
-    steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "train", "final-eval"]
-    starts = [next(i for i, line in enumerate(lines) if line.endswith(f"] step {n}/8 {name}"))
+    steps = ["preflight", "install", "seam-patch", "tasks", "vllm", "env-server", "train", "final-eval"]
+    starts = [next(i for i, line in enumerate(lines) if line.endswith(f"] step {n}/7 {name}"))
               for n, name in enumerate(steps)]
     assert starts == sorted(starts)
     commands = [shlex.split(line[4:]) for line in lines if line.startswith("  $ ")]
@@ -44,13 +44,12 @@ def test_dry_run_prints_ordered_plan_and_starts_nothing(job):
     assert f"CUDA_VISIBLE_DEVICES={recipe.TRAINER_GPU}" in trainer and "MAX_STEPS=20" in trainer
     assert "DEBUG=1" in trainer  # a crash hours in keeps its traceback in the log, above the one-line reason
     assert "LEARNING_RATE=1e-05" in trainer and f"MAX_STALENESS={recipe.MAX_STALENESS}" in trainer  # checked, passed
-    assert "CAPTURE_URL=https://job123--{}.hf.jobs/capture".format(job["ports"]["PUBLIC_PORT"]) in trainer
     server = next(c for c in commands if "harbor" in c)
     assert server[server.index("--host") + 1] == "127.0.0.1"
     gateway = next(c for c in commands if c[1].endswith("capture_gateway.py"))
     assert gateway[gateway.index("--listen-port") + 1] == str(job["ports"]["PUBLIC_PORT"])
-    sessions_check = next(i for i, line in enumerate(lines) if line.endswith("harbor_sessions.py check"))
-    order = [sessions_check] + [index_of(lines, p) for p in (
+    seam_check = next(i for i, line in enumerate(lines) if line.endswith("seam_patch.py check"))
+    order = [seam_check] + [index_of(lines, p) for p in (
         "  $ env CUDA_VISIBLE_DEVICES=1", "  $ env DATASETS=", "  $ env CUDA_VISIBLE_DEVICES=0",
         "  stop vllm and env_server", "  $ env ADAPTER_REPO=")]
     assert order == sorted(order)
@@ -67,8 +66,7 @@ def test_full_run_in_order_and_cleans_up(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["pip", "pip", "pip", "harbor_sessions", "prepare_tasks", "vllm", "env_server", "trainer",
-                     "run_eval"], log
+    assert kinds == ["pip", "pip", "pip", "prepare_tasks", "vllm", "env_server", "trainer", "run_eval"], log
     assert log[0] == "pip install -q --no-deps transformers==5.17.0"
     assert log[1].startswith("pip install -q -c ")
     assert log[2] == "pip check"
@@ -77,16 +75,15 @@ def test_full_run_in_order_and_cleans_up(job):
     assert any(c.startswith("torch==") for c in constraints)
     # vLLM's own range holds the install step, except the accepted mcp break (fake_vllm declares both).
     assert "fastapi<0.137.0,>=0.133.0" in constraints and not any(c.startswith("mcp") for c in constraints)
-    assert log[3] == "harbor_sessions check"
-    assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in log[5] and "--host 127.0.0.1" in log[5]
+    assert "CUDA_VISIBLE_DEVICES=1 VLLM_SERVER_DEV_MODE=1" in log[4] and "--host 127.0.0.1" in log[4]
     public = f"job123--{job['ports']['PUBLIC_PORT']}.hf.jobs"
-    assert f"SPACE_HOST={public}" in log[6] and "--host 127.0.0.1" in log[6]
-    assert "CUDA_VISIBLE_DEVICES=0" in log[7] and "HF_TOKEN_SET=True" in log[7] and "MAX_STEPS=3" in log[7]
-    assert log[8] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
+    assert f"SPACE_HOST={public}" in log[5] and "--host 127.0.0.1" in log[5]
+    assert "CUDA_VISIBLE_DEVICES=0" in log[6] and "HF_TOKEN_SET=True" in log[6] and "MAX_STEPS=3" in log[6]
+    assert log[7] == f"run_eval ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=final SPACE_HOST={public} " \
                      "EVAL_TASKS= training_vllm=down"
-    for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
-                              "train", "final-eval"]):
-        assert any(f"step {n}/8 {name}: " in line and line.endswith("s)") for line in out.stdout.splitlines())
+    for n, name in enumerate(["preflight", "install", "seam-patch", "tasks", "vllm", "env-server", "train",
+                              "final-eval"]):
+        assert any(f"step {n}/7 {name}: " in line and line.endswith("s)") for line in out.stdout.splitlines())
     assert "trainer finished 3 steps" in out.stdout
     assert_no_leftovers(job["token"])
 
@@ -115,7 +112,7 @@ def test_watchdog_spares_a_first_step_longer_than_its_limit_while_rollouts_finis
     """Issue 14, defect 4: a whole group must finish before step 1, which can take longer than STALL_MINUTES."""
     out = run_job(job, STUB_TRAIN="slow_first_step", STALL_SECONDS="2", FINAL_EVAL="0")
     assert out.returncode == 0, out.stderr[-2000:]
-    assert "trainer stalled" not in out.stderr and "step 8/8 final-eval: skipped" in out.stdout
+    assert "trainer stalled" not in out.stderr and "step 7/7 final-eval: skipped" in out.stdout
     assert_no_leftovers(job["token"])
 
 

@@ -1,6 +1,6 @@
-"""run_job.sh's checks before anything starts (tests/run_job_harness.py): the image's openenv, vLLM and pip
-check, bad input stopping the job in one line (the same line as the eval jobs'), and each script's header as its
-environment reference."""
+"""run_job.sh's checks before anything starts (tests/run_job_harness.py): the image's vLLM and pip check, bad input
+stopping the job in one line (the same line as the eval jobs'), and each script's header as its environment
+reference."""
 
 from __future__ import annotations
 
@@ -20,19 +20,6 @@ import recipe
 @pytest.fixture
 def job(tmp_path):
     return make_job(tmp_path)
-
-
-def test_openenv_whose_sessions_trl_cannot_train_stops_job(job):
-    out = run_job(job, STUB_OPENENV="old")
-    assert out.returncode != 0
-    assert "TrainableSession: False" in out.stderr.strip().splitlines()[-1]
-    assert not any(line.startswith("vllm") for line in stub_log(job))
-
-
-def test_the_shipped_session_client_passes_that_check_on_the_pinned_openenv():
-    import harbor_sessions
-
-    assert harbor_sessions.check().startswith("harbor_sessions: sessions are trainable on openenv ")
 
 
 def test_vllm_outside_version_window_stops_job_with_versions(job):
@@ -58,7 +45,7 @@ def test_pip_check_break_stops_job_naming_the_package(job):
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert "the install step broke a requirement: " + broken in message and "PIP_CHECK_ACCEPTED" in message
-    assert not any(line.startswith(("harbor_sessions", "vllm")) for line in stub_log(job))
+    assert not any(line.startswith(("prepare_tasks", "vllm")) for line in stub_log(job))
 
 
 def test_accepted_pip_check_break_passes(job):
@@ -73,7 +60,7 @@ def test_vllm_api_server_not_importing_stops_job(job):
     assert out.returncode != 0
     message = out.stderr.strip().splitlines()[-1]
     assert "vLLM's API server does not import after the install step" in message and "mcp.nonexistent" in message
-    assert not any(line.startswith(("harbor_sessions", "vllm")) for line in stub_log(job))
+    assert not any(line.startswith(("prepare_tasks", "vllm")) for line in stub_log(job))
 
 
 # --- bad input stops the job at once, with one line ----------------------------------------------------
@@ -180,7 +167,7 @@ def test_yes_no_knobs_take_any_spelling_and_dry_run_true_starts_nothing(job):
 def test_space_host_wins_over_job_id(job):
     out = run_job(job, DRY_RUN="1", SPACE_HOST="https://custom--8000.hf.jobs/")
     assert out.returncode == 0, out.stderr
-    assert "CAPTURE_URL=https://custom--8000.hf.jobs/capture" in out.stdout
+    assert "SPACE_HOST=custom--8000.hf.jobs" in next(line for line in out.stdout.splitlines() if "DATASETS=" in line)
 
 
 # --- each script's header (or docs/jobs.md, where it says so) is its environment reference ----------------------

@@ -34,7 +34,7 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
     trainers = [i for i, line in enumerate(lines) if line.startswith("  $ env CUDA_VISIBLE_DEVICES=0")]
     starts = [c for c in commands if c[-1].endswith("train_lora.py")]
     assert len(starts) == 2 and clear < trainers[0] < trainers[1]
-    install = next(i for i, line in enumerate(lines) if line.endswith("] step 1/9 install"))
+    install = next(i for i, line in enumerate(lines) if line.endswith("] step 1/8 install"))
     assert clear < install  # emptied before anything can read the repo (issue 26 item 4)
     first, second = starts
     assert "STOP_AFTER_STEP=5" in first and not any(a.startswith("STOP_AFTER_STEP") for a in second)
@@ -42,9 +42,9 @@ def test_smoke_dry_run_prints_the_plan_two_trainer_starts_the_subset_eval_and_th
         assert {"MAX_STEPS=20", "SAVE_STEPS=5", "RESUME=1"} <= set(start)
     work = job["tmp"] / "work"
     assert f"OUTPUT_DIR={work}/output" in first and f"OUTPUT_DIR={work}/output-resume" in second
-    for n, name in enumerate(["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server",
-                              "train", "resume", "final-eval"]):
-        assert any(line.endswith(f"] step {n}/9 {name}") for line in lines), name
+    for n, name in enumerate(["preflight", "install", "seam-patch", "tasks", "vllm", "env-server", "train",
+                              "resume", "final-eval"]):
+        assert any(line.endswith(f"] step {n}/8 {name}") for line in lines), name
     evaluation = next(c for c in commands if c[-1].endswith("run_eval.sh"))
     assert "EVAL_TASKS=4" in evaluation and "CHECKPOINT=final" in evaluation
     assert evaluation[evaluation.index("timeout") + 1].endswith("s")  # what the smoke deadline leaves
@@ -80,14 +80,13 @@ def test_smoke_run_stops_resumes_evaluates_the_subset_and_reports(job):
     assert out.returncode == 0, out.stdout + out.stderr
     log = stub_log(job)
     kinds = [line.split()[0] for line in log]
-    assert kinds == ["smoke_report", "pip", "pip", "pip", "harbor_sessions", "prepare_tasks", "vllm", "env_server",
-                     "trainer", "trainer", "run_eval", "smoke_report"], log
+    assert kinds == ["smoke_report", "pip", "pip", "pip", "prepare_tasks", "vllm", "env_server", "trainer", "trainer",
+                     "run_eval", "smoke_report"], log
     assert log[0] == f"smoke_report clear ADAPTER_REPO={SMOKE_REPO}"  # the preflight's last act
-    assert "STOP_AFTER_STEP=5" in log[8] and "STOP_AFTER_STEP=None" in log[9]
-    assert "EVAL_TASKS=4 training_vllm=down" in log[10]
-    steps = ["preflight", "install", "openenv", "seam-patch", "tasks", "vllm", "env-server", "train", "resume",
-             "final-eval"]
-    assert log[11] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
+    assert "STOP_AFTER_STEP=5" in log[7] and "STOP_AFTER_STEP=None" in log[8]
+    assert "EVAL_TASKS=4 training_vllm=down" in log[9]
+    steps = ["preflight", "install", "seam-patch", "tasks", "vllm", "env-server", "train", "resume", "final-eval"]
+    assert log[10] == "smoke_report report " + " ".join(f"{kind}:{name}" for name in steps for kind in ("start", "end"))
     assert "SMOKE REPORT: GO" in out.stdout
     assert_no_leftovers(job["token"])
 

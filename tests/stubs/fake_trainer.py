@@ -20,7 +20,7 @@ from pathlib import Path
 
 import recipe  # the bundle's own, copied beside this stand-in
 
-KEYS = ("CUDA_VISIBLE_DEVICES", "ADAPTER_REPO", "MAX_STEPS", "VLLM_URL", "ENV_URL", "CAPTURE_URL", "SANDBOX",
+KEYS = ("CUDA_VISIBLE_DEVICES", "ADAPTER_REPO", "MAX_STEPS", "VLLM_URL", "ENV_URL", "SANDBOX",
         "SAVE_STEPS", "STOP_AFTER_STEP", "OUTPUT_DIR")
 
 
