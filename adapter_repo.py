@@ -121,8 +121,7 @@ def http_status(error: BaseException) -> int | None:
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Connection failures and timeouts of the installed client (huggingface_hub 1.x is built on httpx, 2.x on
-    httpx2)."""
+    """Connection failures and timeouts of the installed client (huggingface_hub 1.x: httpx; 2.x: httpx2)."""
     from huggingface_hub.errors import HTTPError
 
     transport = importlib.import_module(HTTPError.__module__)
@@ -220,8 +219,12 @@ def report_failure(script: str, error: BaseException, env: Mapping[str, str] | N
     return code
 
 
-def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | None = None) -> int:
+def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | None = None,
+            usage: str | None = None) -> int:
     """Run an entry point: 0 when it returns, one line on stderr and a non-zero exit code when it fails."""
+    if usage is not None and sys.argv[1:]:  # no arguments (the environment is the interface): any prints `usage`
+        print(f"usage: python3 {script}.py  (no arguments: settings come from the environment)\n\n{usage}")
+        return 0 if sys.argv[1:] in (["-h"], ["--help"]) else 2
     try:
         recipe.knob("DEBUG", env)  # a bad DEBUG is refused up front, like every knob
         main()

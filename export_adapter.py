@@ -27,11 +27,9 @@ from recipe import ConfigError
 def checked_args(args: argparse.Namespace) -> None:
     """Names well-formed before anything is downloaded, merged or pushed; fills in the merged model's repo."""
     recipe.checkpoint_arg(args.checkpoint, "CHECKPOINT")
-    if not args.source:
-        raise ConfigError("--source is not set: pass the training repo id (or ADAPTER_REPO=you/...) or a folder")
-    if args.source.startswith((".", "/", "~")) and not Path(args.source).expanduser().is_dir():
+    if (args.source or "").startswith((".", "/", "~")) and not Path(args.source).expanduser().is_dir():
         raise ConfigError(f"--source {args.source}: folder not found (a repo id is owner/name): check the path")
-    if not Path(args.source).is_dir():
+    if not args.source or not Path(args.source).is_dir():  # unset: require_repo_id says so
         recipe.require_repo_id(args.source, "--source")
     recipe.require_repo_id(args.target, "--target", "you/LFM2.5-2.6B-opencode-lora")
     if args.merged_target and not args.merged:
