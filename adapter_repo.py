@@ -91,13 +91,12 @@ def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
 
 
 # --- The jobs that write a repo ---------------------------------------------------------------------------------------
-LIVE_STAGES = ("SCHEDULING", "RUNNING")  # huggingface_hub's JobStage values of a job that has not ended
 TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the train and smoke launches)
 
 
 def live_jobs(api: Any, repo_id: str, script: str) -> list[Any]:
     """The token owner's jobs, not ended, running the bundle's `script` on `repo_id` (their ADAPTER_REPO)."""
-    return [job for job in api.list_jobs(status=list(LIVE_STAGES))
+    return [job for job in api.list_jobs(status=["SCHEDULING", "RUNNING"])  # huggingface_hub's JobStage values
             if (job.environment or {}).get("ADAPTER_REPO") == repo_id and f"/{script}" in " ".join(job.command or [])]
 
 

@@ -310,10 +310,9 @@ def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
 def run_and_push(api: Any, repo_id: str, path_in_repo: str, doc: dict[str, Any], work: Path, factory: SessionFactory,
                  jobs: list[Job], concurrency: int, *, adapter: contextlib.AbstractContextManager | None = None,
                  check: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): open `doc`'s results in `work`,
-    adopting the cells (and completeness, for the same weights) the repo holds; run the cells `jobs` still lack inside
-    `adapter` (LoraServer.serving); recount a full eval's "summary"; mark the file complete, push it and return it. A
-    file already complete for these weights is left as it is: nothing loaded or committed."""
+    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): `doc`'s results resumed from `work`
+    and the repo, the cells `jobs` still lack run inside `adapter` (LoraServer.serving), a full eval's "summary"
+    recounted, the file marked complete and pushed, unless it already was for these weights (nothing loaded)."""
     local = work / path_in_repo
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
     remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}

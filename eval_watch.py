@@ -73,7 +73,6 @@ class Watcher:
         return adapter_repo.read_json(self.api, self.repo_id, path, revision=revision)
 
     def run_and_push(self, path_in_repo: str, doc: dict[str, Any], jobs: list[ea.Job], **adapter: Any) -> None:
-        """Evaluate the cells `jobs` still lack into `path_in_repo`, resuming from what the repo holds."""
         ea.run_and_push(self.api, self.repo_id, path_in_repo, doc, self.work, self.factory, jobs, self.concurrency,
                         check=self.check_run, **adapter)
 
@@ -255,8 +254,8 @@ class Watcher:
 def main() -> None:
     """Watch mode: every checkpoint on N_TASKS test tasks until the run ends (Watcher.run)."""
     n_tasks, concurrency, max_idle_h = (recipe.knob(k) for k in ("N_TASKS", "EVAL_CONCURRENCY", "MAX_IDLE_HOURS"))
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
     with ea.job("eval-watch") as (api, repo_id, factory, tasks, lora, work, board):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
         watcher = Watcher(api, repo_id, factory, lora, tasks, work, n_tasks=n_tasks, max_idle_s=max_idle_h * 3600,
                           concurrency=concurrency, board=board)
         print(f"eval_watch: stopped ({watcher.run()})")
