@@ -47,7 +47,7 @@ def build_summary(base_doc: dict[str, Any], docs: dict[str, dict[str, Any]]) -> 
     subset = base_doc.get("subset", [])
     return {"schema": 1, "base_model": recipe.BASE_MODEL, "dataset": recipe.TEST_DATASET,
             "dataset_revision": recipe.TEST_REVISION, "subset": subset, "n_tasks": len(subset),
-            "base": ea.summarize(base, {})["base"] if base else None, "checkpoints": rows,
+            "base": ea.side_stats(base) if base else None, "checkpoints": rows,
             "final_evaluated": any(r["checkpoint"] == adapter_repo.FINAL and r["complete"] for r in rows)}
 
 
