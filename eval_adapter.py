@@ -201,9 +201,8 @@ def pending_jobs(jobs: list[Job], results: ResultsFile) -> list[Job]:
 
 def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, concurrency: int,
               push: Callable[[], None] = lambda: None) -> None:
-    """Run every job whose cell is not final, at most `concurrency` at once, an unscorable one again at the queue's end
-    until final, recording each attempt and calling `push` every EVAL_PUSH_EVERY of them. After EVAL_ABORT_STREAK
-    unscorable cells in a row it pushes and stops with InfrastructureDown, leaving no queued rollout to run."""
+    """Every job whose cell is not final, `concurrency` at once, an unscorable one requeued until final; `push` every
+    EVAL_PUSH_EVERY attempts and, at EVAL_ABORT_STREAK unscorable ones in a row, once more before InfrastructureDown."""
     queue, concurrency = deque(pending_jobs(jobs, results)), max(1, concurrency)
     running: dict[Future[dict[str, Any]], Job] = {}
     streak = recorded = 0

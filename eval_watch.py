@@ -105,8 +105,7 @@ class Watcher:
                           adapter=self.lora.serving(model, adapter))
 
     def publish_summary(self) -> dict[str, Any]:
-        """Recount eval/summary.json from the repo's per-checkpoint files, and rebuild the trajectory page (its curve)
-        with it, as one compare-and-swap commit."""
+        """eval/summary.json recounted from the per-checkpoint files, and the trajectory page's curve, in one commit."""
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
