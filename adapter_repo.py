@@ -91,13 +91,12 @@ def watched_checkpoints(files: Iterable[str]) -> dict[str, str]:
 
 
 # --- The jobs that write a repo ---------------------------------------------------------------------------------------
-LIVE_STAGES = ("SCHEDULING", "RUNNING")  # huggingface_hub's JobStage values of a job that has not ended
 TRAIN_SCRIPT = "run_job.sh"  # the job that trains and pushes checkpoints (the train and smoke launches)
 
 
 def live_jobs(api: Any, repo_id: str, script: str) -> list[Any]:
     """The token owner's jobs, not ended, running the bundle's `script` on `repo_id` (their ADAPTER_REPO)."""
-    return [job for job in api.list_jobs(status=list(LIVE_STAGES))
+    return [job for job in api.list_jobs(status=["SCHEDULING", "RUNNING"])  # huggingface_hub's JobStage values
             if (job.environment or {}).get("ADAPTER_REPO") == repo_id and f"/{script}" in " ".join(job.command or [])]
 
 
@@ -121,8 +120,7 @@ def http_status(error: BaseException) -> int | None:
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
-    """Connection failures and timeouts of the installed client (huggingface_hub 1.x is built on httpx, 2.x on
-    httpx2)."""
+    """Connection failures and timeouts of the installed client (huggingface_hub 1.x: httpx; 2.x: httpx2)."""
     from huggingface_hub.errors import HTTPError
 
     transport = importlib.import_module(HTTPError.__module__)
@@ -142,10 +140,9 @@ _HINTS = {401: "check HF_TOKEN (is it valid?)", 403: "check that HF_TOKEN can wr
           404: "check the repo id, and that HF_TOKEN can see it"}
 
 
-def with_retries[T](what: str, action: Callable[[], T], *, backoff_s: float = recipe.PUSH_BACKOFF_S,
-                    sleep: Callable[[float], None] | None = None) -> T:
+def with_retries[T](what: str, action: Callable[[], T]) -> T:
     """`action()`, tried up to recipe.PUSH_RETRIES times with doubling waits on what is transient: HTTP 408, 429, 5xx
-    or a transport error (first wait `backoff_s`); another writer first (409, a lost compare-and-swap's 412) or a
+    or a transport error (first wait PUSH_BACKOFF_S); another writer first (409, a lost compare-and-swap's 412) or a
     lagging head read (CONFLICT_BACKOFF_S). Anything else raises PushError at once: a retried 403 only hides it."""
     for attempt in range(1, recipe.PUSH_RETRIES + 1):
         try:
@@ -159,10 +156,10 @@ def with_retries[T](what: str, action: Callable[[], T], *, backoff_s: float = re
                 raise PushError(f"{what} failed ({describe(error)}){hint}") from error
             if attempt == recipe.PUSH_RETRIES:
                 raise PushError(f"{what} failed {attempt} times, last error: {describe(error)}") from error
-            wait = (recipe.CONFLICT_BACKOFF_S if raced else backoff_s) * 2 ** (attempt - 1)
+            wait = (recipe.CONFLICT_BACKOFF_S if raced else recipe.PUSH_BACKOFF_S) * 2 ** (attempt - 1)
             logger.warning("push attempt %d/%d failed (%s); retrying in %.0fs", attempt, recipe.PUSH_RETRIES,
                            describe(error), wait)
-            (sleep or time.sleep)(wait)
+            time.sleep(wait)
     raise AssertionError("unreachable: PUSH_RETRIES >= 1")
 
 
@@ -220,8 +217,12 @@ def report_failure(script: str, error: BaseException, env: Mapping[str, str] | N
     return code
 
 
-def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | None = None) -> int:
+def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | None = None,
+            usage: str | None = None) -> int:
     """Run an entry point: 0 when it returns, one line on stderr and a non-zero exit code when it fails."""
+    if usage is not None and sys.argv[1:]:  # no arguments (the environment is the interface): any prints `usage`
+        print(f"usage: python3 {script}.py  (no arguments: settings come from the environment)\n\n{usage}")
+        return 0 if sys.argv[1:] in (["-h"], ["--help"]) else 2
     try:
         recipe.knob("DEBUG", env)  # a bad DEBUG is refused up front, like every knob
         main()
@@ -235,16 +236,13 @@ def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | No
 _LAST_CAS: weakref.WeakKeyDictionary[Any, dict[str, tuple[str, str]]] = weakref.WeakKeyDictionary()
 
 
-def commit(api: Any, repo_id: str, operations: list[Any], message: str, *, backoff_s: float = recipe.PUSH_BACKOFF_S,
-           sleep: Callable[[float], None] | None = None) -> str:
+def commit(api: Any, repo_id: str, operations: list[Any], message: str) -> str:
     """Commit `operations` in one commit (retried as above); return the commit id."""
     return with_retries(f"commit {message!r} to {repo_id}",
-                        lambda: api.create_commit(repo_id, operations, commit_message=message).oid,
-                        backoff_s=backoff_s, sleep=sleep)
+                        lambda: api.create_commit(repo_id, operations, commit_message=message).oid)
 
 
-def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str, *,
-               sleep: Callable[[float], None] | None = None) -> str:
+def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]], message: str) -> str:
     """Commit the files `build(head)` returns on top of `head`; return the commit id. `parent_commit` makes the Hub
     refuse (412) it once another writer committed, so none overwrites what another wrote after it read."""
     from huggingface_hub import CommitOperationAdd
@@ -260,7 +258,7 @@ def commit_cas(api: Any, repo_id: str, build: Callable[[str], dict[str, bytes]],
         last[repo_id] = head, oid
         return oid
 
-    return with_retries(f"commit {message!r} to {repo_id}", attempt, sleep=sleep)
+    return with_retries(f"commit {message!r} to {repo_id}", attempt)
 
 
 def require_write_access(api: Any, repo_id: str) -> None:
@@ -279,8 +277,7 @@ def require_write_access(api: Any, repo_id: str) -> None:
 
 
 def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, ignore: tuple[str, ...] = (),
-                marker: bool = False, also: Mapping[str, Path | bytes] | None = None,
-                backoff_s: float = recipe.PUSH_BACKOFF_S, sleep: Callable[[float], None] | None = None) -> list[str]:
+                marker: bool = False, also: Mapping[str, Path | bytes] | None = None) -> list[str]:
     """Upload `folder` as one commit (whole or not at all), with `marker` ending in COMPLETE_MARKER, and `also`
     ({repo path: file or bytes}) outside the folder; return the repo paths written."""
     from huggingface_hub import CommitOperationAdd
@@ -293,8 +290,7 @@ def push_folder(api: Any, repo_id: str, folder: Path, path_in_repo: str, *, igno
         ops.append(CommitOperationAdd(f"{prefix}{COMPLETE_MARKER}", json.dumps({"files": listing}).encode()))
     ops[:0] = [CommitOperationAdd(name, data if isinstance(data, bytes) else str(data))  # the marker stays last
                for name, data in (also or {}).items()]
-    commit(api, repo_id, ops, f"Upload {path_in_repo.strip('/') or 'final adapter'}", backoff_s=backoff_s,
-           sleep=sleep)
+    commit(api, repo_id, ops, f"Upload {path_in_repo.strip('/') or 'final adapter'}")
     logger.info("pushed %s to %s (%d files)", path_in_repo or "/", repo_id, len(ops))
     return [op.path_in_repo for op in ops]
 
@@ -309,7 +305,7 @@ def read_json(api: Any, repo_id: str, path: str, revision: str | None = None) ->
         return json.loads(Path(local).read_text())
 
 
-def head_holding(api: Any, repo_id: str, checkpoint: str, *, sleep: Callable[[float], None] | None = None) -> str:
+def head_holding(api: Any, repo_id: str, checkpoint: str) -> str:
     """The head to download `checkpoint` at, read again while it lacks a checkpoint the latest listing holds (a head
     read can lag the push); for a checkpoint the repo lacks, the head, for download_adapter to refuse."""
 
@@ -320,7 +316,7 @@ def head_holding(api: Any, repo_id: str, checkpoint: str, *, sleep: Callable[[fl
             return head
         raise StaleHead(f"the Hub still answers head {head[:12]}, which lacks the {checkpoint!r} pushed since")
 
-    return with_retries(f"read the head of {repo_id} holding {checkpoint!r}", read, sleep=sleep)
+    return with_retries(f"read the head of {repo_id} holding {checkpoint!r}", read)
 
 
 def download_adapter(api: Any, repo_id: str, checkpoint: str, dest: Path, revision: str | None = None) -> Path:

@@ -15,14 +15,13 @@ import recipe
 
 SPACE_URL = "https://huggingface.co/spaces/{}"
 _SPACE_NOT_PREPARED = "could not prepare Space"  # trackio 0.43.0's warning when it logs locally instead
-LOCAL = recipe.NO_SPACE
 _JOB_HOST = re.compile(r"^(?:https?://)?([A-Za-z0-9-]+?)--\d+\.hf\.jobs")
 
 
 def space(env: Mapping[str, str]) -> str | None:
     """The dashboard Space: a name (Trackio puts it under the token's owner) or owner/name; None logs locally only."""
     value = recipe.knob("DASHBOARD_SPACE", env)
-    return None if value == LOCAL else value
+    return None if value == recipe.NO_SPACE else value
 
 
 def space_id(name: str, owner: str) -> str:
@@ -109,14 +108,15 @@ def init_run(project_name: str, name: str, space_id: str | None, env: Mapping[st
 
 
 class EvalDashboard:
-    """Eval points for the adapter repo's Trackio project, started at the first; a failure is said once and never
-    stops the eval."""
+    """Eval points for the adapter repo's Trackio project (REPORT_TO=trackio: evals log to no other dashboard), started
+    at the first; a failure is said once and never stops the eval."""
 
     def __init__(self, adapter_repo: str, kind: str, env: Mapping[str, str]) -> None:
-        self.run, self.env, self.state = (project(adapter_repo), run_name(kind, env), space(env)), dict(env), "new"
+        self.run, self.env = (project(adapter_repo), run_name(kind, env), space(env)), dict(env)
+        self.state = "new" if recipe.knob("REPORT_TO", env) == "trackio" else "off"
 
     def log(self, metrics: dict[str, float], step: int | None = None) -> None:
-        if self.state == "broken":
+        if self.state not in ("new", "started"):
             return
         try:
             import trackio
@@ -136,7 +136,3 @@ class EvalDashboard:
 
             trackio.finish()
 
-
-def for_eval(adapter_repo: str, kind: str, env: Mapping[str, str]) -> EvalDashboard | None:
-    """The eval's dashboard when the reporter is Trackio (evals log to no other dashboard)."""
-    return EvalDashboard(adapter_repo, kind, env) if recipe.knob("REPORT_TO", env) == "trackio" else None

@@ -16,7 +16,6 @@ import json
 import math
 import os
 import random
-import sys
 import time
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -94,9 +93,8 @@ def is_correct(reward: float) -> bool:
 
 
 def run_cell(factory: SessionFactory, task_index: int, model: str) -> dict[str, Any]:
-    """One attempt at one cell: reward, correctness, tool calls, duration, or why it is unscorable. A failure of this
-    one rollout is an unscorable cell whose error starts with its class (docs/training.md "Rollout failures"), never an
-    exception that ends the eval."""
+    """One attempt at one cell. Its failure is an unscorable cell whose error starts with its class (docs/training.md
+    "Rollout failures"), never an exception that ends the eval."""
     start, session, error = time.monotonic(), None, ""
     try:
         session = factory(task_index, model)
@@ -197,16 +195,14 @@ class InfrastructureDown(adapter_repo.Failure):
 
 
 def pending_jobs(jobs: list[Job], results: ResultsFile) -> list[Job]:
-    """The jobs whose cell is not final yet (is_final) in `results`, for these weights."""
     done = results.cells()
     return [j for j in jobs if not is_final(done.get((j[0], int(j[2]["index"]))))]
 
 
 def run_cells(factory: SessionFactory, jobs: list[Job], results: ResultsFile, concurrency: int,
               push: Callable[[], None] = lambda: None) -> None:
-    """Run every job whose cell is not final, at most `concurrency` at once, an unscorable one again at the queue's end
-    until final, recording each attempt and calling `push` every EVAL_PUSH_EVERY of them. After EVAL_ABORT_STREAK
-    unscorable cells in a row it pushes and stops with InfrastructureDown, leaving no queued rollout to run."""
+    """Every job whose cell is not final, `concurrency` at once, an unscorable one requeued until final; `push` every
+    EVAL_PUSH_EVERY attempts and, at EVAL_ABORT_STREAK unscorable ones in a row, once more before InfrastructureDown."""
     queue, concurrency = deque(pending_jobs(jobs, results)), max(1, concurrency)
     running: dict[Future[dict[str, Any]], Job] = {}
     streak = recorded = 0
@@ -240,9 +236,7 @@ def rewards(cells: Iterable[dict[str, Any]], side: str) -> dict[str, float | Non
 
 
 def choose_subset(n_total: int, n: int, seed: int = recipe.EVAL_SEED) -> list[int]:
-    """A fixed, seeded choice of n task indices out of n_total (all of them when n == n_total)."""
-    if not 0 < n <= n_total:
-        raise recipe.ConfigError(f"N_TASKS={n} must be between 1 and the {n_total} tasks the test split has")
+    """A fixed, seeded choice of n of n_total task indices (all when n == n_total); n's knob checks its range."""
     return sorted(random.Random(seed).sample(range(n_total), n))
 
 
@@ -281,10 +275,8 @@ def bootstrap_ci(diffs: list[int], samples: int = recipe.BOOTSTRAP_SAMPLES, seed
 
 
 def summarize(base: dict[str, float | None], adapter: dict[str, float | None]) -> dict[str, Any]:
-    """pass@1 per side, agreement over tasks scored on both sides, and the paired difference with its CI.
-
-    `base`/`adapter` map task -> reward, None for an unscorable cell: never wrong, out of the denominators.
-    """
+    """pass@1 per side, agreement over tasks scored on both sides, and the paired difference with its CI; `base`/
+    `adapter`: task -> reward, None for an unscorable cell (never wrong: out of the denominators)."""
     paired = sorted(t for t in base.keys() & adapter.keys() if base[t] is not None and adapter[t] is not None)
     agree = {"both": 0, "only_base": 0, "only_adapter": 0, "neither": 0}
     diffs = []
@@ -317,10 +309,9 @@ def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
 def run_and_push(api: Any, repo_id: str, path_in_repo: str, doc: dict[str, Any], work: Path, factory: SessionFactory,
                  jobs: list[Job], concurrency: int, *, adapter: contextlib.AbstractContextManager | None = None,
                  check: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): open `doc`'s results in `work`,
-    adopting the cells (and completeness, for the same weights) the repo holds; run the cells `jobs` still lack inside
-    `adapter` (LoraServer.serving); recount a full eval's "summary"; mark the file complete, push it and return it. A
-    file already complete for these weights is left as it is: nothing loaded or committed."""
+    """The one eval loop of both entry points (evaluate here, eval_watch.Watcher): `doc`'s results resumed from `work`
+    and the repo, the cells `jobs` still lack run inside `adapter` (LoraServer.serving), a full eval's "summary"
+    recounted, the file marked complete and pushed, unless it already was for these weights (nothing loaded)."""
     local = work / path_in_repo
     cells = json.loads(local.read_text()).get("cells", []) if local.exists() else []
     remote = adapter_repo.read_json(api, repo_id, path_in_repo) or {}
@@ -377,31 +368,34 @@ def summary_metrics(summary: dict[str, Any]) -> dict[str, float]:
     return {f"final_eval/{key}": float(value) for key, value in values.items() if value is not None}
 
 
-def main() -> None:
-    """run_eval.sh's environment, each knob checked by recipe.py (as its preflight did)."""
+@contextlib.contextmanager
+def job(kind: str) -> Iterator[tuple[Any, str, SessionFactory, list[dict[str, Any]], LoraServer, Path,
+                                      dashboard.EvalDashboard]]:
+    """Both entry points' start, from run_eval.sh's environment: the Hub client and repo, the servers on the test
+    tasks, the work folder and the `kind` dashboard (finished however the block ends)."""
+    from huggingface_hub import HfApi
+
     repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO"), "ADAPTER_REPO")
-    checkpoint, n_tasks, concurrency, sandbox = (recipe.knob(k) for k in ("CHECKPOINT", "EVAL_TASKS",
-                                                                           "EVAL_CONCURRENCY", "SANDBOX"))
-    token = recipe.require_token()
-    factory, tasks, lora = servers(sandbox)
+    api = HfApi(token=recipe.require_token())
+    factory, tasks, lora = servers(recipe.knob("SANDBOX"))
     if len(tasks) != recipe.TEST_TASKS:
         raise recipe.ConfigError(f"the env server's split has {len(tasks)} tasks, the test split {recipe.TEST_TASKS}: "
                                  "serve the test tasks (run_eval.sh does) or set EVAL_SPLIT")
-    tasks = [tasks[i] for i in choose_subset(len(tasks), n_tasks)]  # EVAL_TASKS < all: the smoke run's subset
-    from huggingface_hub import HfApi
-
-    board = dashboard.for_eval(repo_id, "eval", os.environ)
+    board = dashboard.EvalDashboard(repo_id, kind, os.environ)
     try:
-        doc = evaluate(HfApi(token=token), repo_id, checkpoint, factory, tasks, lora,
-                       Path(os.environ.get("EVAL_WORK_DIR", "eval-work")), concurrency, board)
+        yield api, repo_id, factory, tasks, lora, Path(os.environ.get("EVAL_WORK_DIR", "eval-work")), board
     finally:
-        if board is not None:
-            board.finish()
+        board.finish()
+
+
+def main() -> None:
+    """The full eval: base vs CHECKPOINT on EVAL_TASKS of the test tasks (all, or the smoke run's seeded subset)."""
+    checkpoint, n_tasks, concurrency = (recipe.knob(k) for k in ("CHECKPOINT", "EVAL_TASKS", "EVAL_CONCURRENCY"))
+    with job("eval") as (api, repo_id, factory, tasks, lora, work, board):
+        doc = evaluate(api, repo_id, checkpoint, factory, [tasks[i] for i in choose_subset(len(tasks), n_tasks)],
+                       lora, work, concurrency, board)
     print(json.dumps(doc["summary"], indent=1))
 
 
 if __name__ == "__main__":
-    if sys.argv[1:]:  # no flags: the environment above is the interface (--help exits 0)
-        print(f"usage: python3 eval_adapter.py  (no arguments: settings come from the environment)\n\n{__doc__}")
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
-    raise SystemExit(adapter_repo.run_cli("eval_adapter", main))
+    raise SystemExit(adapter_repo.run_cli("eval_adapter", main, usage=__doc__))

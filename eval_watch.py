@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -49,7 +47,7 @@ def build_summary(base_doc: dict[str, Any], docs: dict[str, dict[str, Any]]) -> 
     subset = base_doc.get("subset", [])
     return {"schema": 1, "base_model": recipe.BASE_MODEL, "dataset": recipe.TEST_DATASET,
             "dataset_revision": recipe.TEST_REVISION, "subset": subset, "n_tasks": len(subset),
-            "base": ea.summarize(base, {})["base"] if base else None, "checkpoints": rows,
+            "base": ea.side_stats(base) if base else None, "checkpoints": rows,
             "final_evaluated": any(r["checkpoint"] == adapter_repo.FINAL and r["complete"] for r in rows)}
 
 
@@ -75,7 +73,6 @@ class Watcher:
         return adapter_repo.read_json(self.api, self.repo_id, path, revision=revision)
 
     def run_and_push(self, path_in_repo: str, doc: dict[str, Any], jobs: list[ea.Job], **adapter: Any) -> None:
-        """Evaluate the cells `jobs` still lack into `path_in_repo`, resuming from what the repo holds."""
         ea.run_and_push(self.api, self.repo_id, path_in_repo, doc, self.work, self.factory, jobs, self.concurrency,
                         check=self.check_run, **adapter)
 
@@ -108,8 +105,7 @@ class Watcher:
                           adapter=self.lora.serving(model, adapter))
 
     def publish_summary(self) -> dict[str, Any]:
-        """Recount eval/summary.json from the repo's per-checkpoint files, and rebuild the trajectory page (its curve)
-        with it, as one compare-and-swap commit."""
+        """eval/summary.json recounted from the per-checkpoint files, and the trajectory page's curve, in one commit."""
         out: dict[str, Any] = {}
 
         def build(head: str) -> dict[str, bytes]:
@@ -255,28 +251,14 @@ class Watcher:
 
 
 def main() -> None:
-    """run_eval.sh's environment, each knob checked by recipe.py (as its preflight did)."""
-    n_tasks, concurrency, sandbox = recipe.knob("N_TASKS"), recipe.knob("EVAL_CONCURRENCY"), recipe.knob("SANDBOX")
-    max_idle_s = recipe.knob("MAX_IDLE_HOURS") * 3600
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
-    repo_id = recipe.require_repo_id(os.environ.get("ADAPTER_REPO"), "ADAPTER_REPO")
-    from huggingface_hub import HfApi
-
-    api = HfApi(token=recipe.require_token())
-    factory, tasks, lora = ea.servers(sandbox)
-    ea.choose_subset(len(tasks), n_tasks)  # a subset larger than the split is refused now, not after a wait
-    board = dashboard.for_eval(repo_id, "eval-watch", os.environ)
-    watcher = Watcher(api, repo_id, factory, lora, tasks, Path(os.environ.get("EVAL_WORK_DIR", "eval-work")),
-                      n_tasks=n_tasks, max_idle_s=max_idle_s, concurrency=concurrency, board=board)
-    try:
+    """Watch mode: every checkpoint on N_TASKS test tasks until the run ends (Watcher.run)."""
+    n_tasks, concurrency, max_idle_h = (recipe.knob(k) for k in ("N_TASKS", "EVAL_CONCURRENCY", "MAX_IDLE_HOURS"))
+    with ea.job("eval-watch") as (api, repo_id, factory, tasks, lora, work, board):
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+        watcher = Watcher(api, repo_id, factory, lora, tasks, work, n_tasks=n_tasks, max_idle_s=max_idle_h * 3600,
+                          concurrency=concurrency, board=board)
         print(f"eval_watch: stopped ({watcher.run()})")
-    finally:
-        if board is not None:
-            board.finish()
 
 
 if __name__ == "__main__":
-    if sys.argv[1:]:  # no flags: the environment above is the interface (--help exits 0)
-        print(f"usage: python3 eval_watch.py  (no arguments: settings come from the environment)\n\n{__doc__}")
-        sys.exit(0 if sys.argv[1:] in (["-h"], ["--help"]) else 2)
-    raise SystemExit(adapter_repo.run_cli("eval_watch", main))
+    raise SystemExit(adapter_repo.run_cli("eval_watch", main, usage=__doc__))

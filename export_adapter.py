@@ -27,11 +27,9 @@ from recipe import ConfigError
 def checked_args(args: argparse.Namespace) -> None:
     """Names well-formed before anything is downloaded, merged or pushed; fills in the merged model's repo."""
     recipe.checkpoint_arg(args.checkpoint, "CHECKPOINT")
-    if not args.source:
-        raise ConfigError("--source is not set: pass the training repo id (or ADAPTER_REPO=you/...) or a folder")
-    if args.source.startswith((".", "/", "~")) and not Path(args.source).expanduser().is_dir():
+    if (args.source or "").startswith((".", "/", "~")) and not Path(args.source).expanduser().is_dir():
         raise ConfigError(f"--source {args.source}: folder not found (a repo id is owner/name): check the path")
-    if not Path(args.source).is_dir():
+    if not args.source or not Path(args.source).is_dir():  # unset: require_repo_id says so
         recipe.require_repo_id(args.source, "--source")
     recipe.require_repo_id(args.target, "--target", "you/LFM2.5-2.6B-opencode-lora")
     if args.merged_target and not args.merged:
@@ -47,11 +45,8 @@ def checked_args(args: argparse.Namespace) -> None:
 
 
 def fetch(args: argparse.Namespace, api: Any, dest: Path) -> tuple[Path, dict[str, Any] | None, int | None]:
-    """The adapter folder, its eval results document and the optimizer steps it was trained for (None: not there).
-
-    checkpoint-N is named by the trainer's global step; the final adapter's steps are its run's last checkpoint's
-    (the trainer always saves one at its last step: a 20-step smoke run's final adapter has 20, not MAX_STEPS).
-    """
+    """The adapter folder, its eval results and its optimizer steps (None: not there): checkpoint-N's N, or the final
+    adapter's run's last checkpoint's (the trainer saves one at its last step: a 20-step smoke's says 20)."""
     source, results = Path(args.source), adapter_repo.full_results_path(args.checkpoint)
     if source.is_dir():
         files = [p.relative_to(source).as_posix() for p in source.rglob("*") if p.is_file()]
@@ -165,8 +160,7 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
 
 def export(args: argparse.Namespace, env: dict[str, str], make_api: Callable[[str | None], Any] | None,
            stored_token: Callable[[], str | None] | None) -> None:
-    """Check, then write (or print the plan), then push; a failed push keeps everything written and says how to
-    upload it."""
+    """Check, then write (or print the plan), then push; a failed push keeps the files and says how to upload them."""
     import huggingface_hub
     from huggingface_hub import constants
 

@@ -1,15 +1,11 @@
 #!/usr/bin/env bash
 # Eval job (HF Job, vllm/vllm-openai image, flavor h200, expose_public=[PUBLIC_PORT]; also run_job.sh's final eval):
 # vLLM in LoRA mode and the env server on the held-out test tasks, then eval_adapter.py (base vs one adapter) or, with
-# EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (each checkpoint as it is pushed). Environment (defaults from
-# recipe.py; what each means: docs/evaluation.md): ADAPTER_REPO, HF_TOKEN (a job secret, never printed), EVAL_MODE=full,
-# CHECKPOINT=final, EVAL_TASKS=<TEST_TASKS>, N_TASKS=<EVAL_WATCH_TASKS>, MAX_IDLE_HOURS=<MAX_IDLE_HOURS>,
-# SANDBOX=<SANDBOX>, REPORT_TO=<REPORT_TO>, DASHBOARD_SPACE=<DASHBOARD_SPACE>, SPACE_HOST | JOB_ID | HF_JOB_ID,
-# EVAL_CONCURRENCY=<EVAL_CONCURRENCY>, GPU=<EVAL_GPU>, READY_TIMEOUT=<READY_TIMEOUT_S>, POLICY_PORT=<VLLM_PORT>,
-# ENV_PORT=<ENV_PORT>, PUBLIC_PORT=<PUBLIC_PORT>, WORK_DIR=/tmp/lfm-eval, LOG_DIR=/tmp/lfm-logs, DEBUG=0, DRY_RUN=0.
+# EVAL_MODE=watch (run_eval_watch.sh), eval_watch.py (each checkpoint as it is pushed).
 #
 #   ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL CHECKPOINT=checkpoint-500 bash run_eval.sh
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_eval.sh     # print the plan, start nothing
+# Environment: ADAPTER_REPO and HF_TOKEN (required); every other knob, its default and what it does: docs/evaluation.md.
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
@@ -33,12 +29,9 @@ preflight() {
 
 # The pinned stack, unless run_job.sh installed it before training.
 ensure_stack() {
-  if ! dry_run && "$PYTHON" -c 'import sys; sys.path.insert(0, sys.argv[1]); import openenv.harbor.client, recipe
-recipe.check_versions(tuple(recipe.pinned_versions()))' "$HERE" 2>/dev/null; then
-    STEP_NOTE="pinned stack already installed"
-    return 0
-  fi
-  install_stack
+  local check='import openenv.harbor.client, recipe; recipe.check_versions(tuple(recipe.pinned_versions()))'
+  if ! dry_run && (cd "$HERE" && "$PYTHON" -c "$check") 2>/dev/null; then STEP_NOTE="pinned stack already installed"
+  else install_stack; fi
 }
 
 start_policy() {

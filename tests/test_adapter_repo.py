@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import re
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -26,6 +27,14 @@ def hub(tmp_path):
     api = LocalHub(tmp_path / "hub")
     api.create_repo(REPO)
     return api
+
+
+@pytest.fixture()
+def waits(monkeypatch) -> list[float]:
+    """The retry waits, recorded instead of slept."""
+    slept: list[float] = []
+    monkeypatch.setattr(time, "sleep", slept.append)
+    return slept
 
 
 def failing(errors: list[BaseException]):
@@ -52,43 +61,40 @@ def hub_error(status: int) -> Exception:
 @pytest.mark.parametrize("error", [hub_error(s) for s in TRANSIENT] + [
     httpx.ConnectError("connection refused"), httpx.ReadTimeout("timed out"), httpx.RemoteProtocolError("eof")],
     ids=[str(s) for s in TRANSIENT] + ["connect", "read-timeout", "protocol"])
-def test_transient_failures_are_retried_with_doubling_waits(error):
-    waits: list[float] = []
+def test_transient_failures_are_retried_with_doubling_waits(error, waits):
     action, calls = failing([error, error])
-    assert ar.with_retries("push", action, backoff_s=2, sleep=waits.append) == "done"
-    assert len(calls) == 3 and waits == [2, 4]
+    assert ar.with_retries("push", action) == "done"
+    assert len(calls) == 3 and waits == [recipe.PUSH_BACKOFF_S, 2 * recipe.PUSH_BACKOFF_S]
 
 
 @pytest.mark.parametrize("error", [hub_error(s) for s in PERMANENT] + [AttributeError("no attribute 'sha'")],
                          ids=[str(s) for s in PERMANENT] + ["bug"])
-def test_anything_else_stops_at_once_with_one_line(error):
-    waits: list[float] = []
+def test_anything_else_stops_at_once_with_one_line(error, waits):
     action, calls = failing([error])
     with pytest.raises(ar.PushError) as caught:
-        ar.with_retries("commit 'x' to you/repo", action, sleep=waits.append)
+        ar.with_retries("commit 'x' to you/repo", action)
     assert len(calls) == 1 and waits == []
     message = str(caught.value)
     assert message.startswith("commit 'x' to you/repo failed (") and "\n" not in message
     assert type(error).__name__ in message or f"HTTP {ar.http_status(error)}" in message
 
 
-def test_a_transient_failure_that_outlives_every_retry_is_reported():
+def test_a_transient_failure_that_outlives_every_retry_is_reported(waits):
     action, calls = failing([hub_error(503)] * recipe.PUSH_RETRIES)
     with pytest.raises(ar.PushError, match=f"failed {recipe.PUSH_RETRIES} times, last error: HTTP 503"):
-        ar.with_retries("push", action, sleep=lambda s: None)
+        ar.with_retries("push", action)
     assert len(calls) == recipe.PUSH_RETRIES
 
 
 @pytest.mark.parametrize("status", [409, 412])
-def test_another_writer_first_is_waited_out_with_the_shorter_conflict_wait(status):
+def test_another_writer_first_is_waited_out_with_the_shorter_conflict_wait(status, waits):
     """409: another commit is in progress; 412: a compare-and-swap lost (another writer committed first)."""
-    waits: list[float] = []
     action, calls = failing([hub_error(status), hub_error(status)])
-    assert ar.with_retries("cas", action, sleep=waits.append) == "done"
+    assert ar.with_retries("cas", action) == "done"
     assert waits == [recipe.CONFLICT_BACKOFF_S, 2 * recipe.CONFLICT_BACKOFF_S] and len(calls) == 3
 
 
-def test_compare_and_swap_rebuilds_on_the_new_head_and_returns_its_commit(hub):
+def test_compare_and_swap_rebuilds_on_the_new_head_and_returns_its_commit(hub, waits):
     heads = []
 
     def build(head: str) -> dict[str, bytes]:
@@ -97,7 +103,7 @@ def test_compare_and_swap_rebuilds_on_the_new_head_and_returns_its_commit(hub):
             hub.upload_file(path_or_fileobj=b"theirs", path_in_repo="eval/other.json", repo_id=REPO)
         return {"eval/mine.json": json.dumps({"seen": head}).encode()}
 
-    oid = ar.commit_cas(hub, REPO, build, "eval: mine", sleep=lambda s: None)
+    oid = ar.commit_cas(hub, REPO, build, "eval: mine")
     assert oid == hub.repo_info(REPO).sha and heads[0] != heads[1]
     assert json.loads((hub.root / REPO / "eval/mine.json").read_text()) == {"seen": heads[1]}
     assert (hub.root / REPO / "eval/other.json").read_bytes() == b"theirs"
@@ -117,7 +123,7 @@ class BusyHub(LocalHub):
         return LocalHub._apply(repo, op)
 
 
-def test_a_commit_that_overlaps_another_on_the_same_repo_waits_and_then_lands(tmp_path):
+def test_a_commit_that_overlaps_another_on_the_same_repo_waits_and_then_lands(tmp_path, monkeypatch):
     """Issue 26 (1): the Hub's 409 "another commit operation is in progress" is retried, not fatal."""
     hub = BusyHub(tmp_path / "hub")
     hub.create_repo(REPO)
@@ -135,25 +141,24 @@ def test_a_commit_that_overlaps_another_on_the_same_repo_waits_and_then_lands(tm
         hub.release.set()  # the other commit finishes while this writer waits
         other.join(timeout=10)
 
-    oid = ar.commit(hub, REPO, [CommitOperationAdd("eval/x.json", b"{}")], "eval: x", sleep=sleep)
+    monkeypatch.setattr(time, "sleep", sleep)
+    oid = ar.commit(hub, REPO, [CommitOperationAdd("eval/x.json", b"{}")], "eval: x")
     assert waits == [recipe.CONFLICT_BACKOFF_S]
     assert [m for _, m, _ in hub.commits] == ["trainer: checkpoint", "eval: x"] and oid == hub.head(REPO)
 
 
-def test_a_writer_builds_on_its_own_last_commit_while_the_head_read_still_lags(hub):
+def test_a_writer_builds_on_its_own_last_commit_while_the_head_read_still_lags(hub, waits):
     """Issue 26 (2): right after a commit repo_info may still answer the old head; the writer's own CommitInfo.oid
     is the head, so its next compare-and-swap lands at once instead of losing to itself."""
     hub.stale_reads = recipe.PUSH_RETRIES + 1  # the read lags for longer than every attempt
-    waits: list[float] = []
-    first = ar.commit_cas(hub, REPO, lambda head: {"eval/a.json": b"1"}, "eval: a", sleep=waits.append)
+    first = ar.commit_cas(hub, REPO, lambda head: {"eval/a.json": b"1"}, "eval: a")
     assert hub.repo_info(REPO).sha != first  # the double answers the stale head
     heads: list[str] = []
-    second = ar.commit_cas(hub, REPO, lambda head: heads.append(head) or {"eval/b.json": b"2"}, "eval: b",
-                           sleep=waits.append)
+    second = ar.commit_cas(hub, REPO, lambda head: heads.append(head) or {"eval/b.json": b"2"}, "eval: b")
     assert heads == [first] and waits == [] and second == hub.head(REPO) != first
 
 
-def test_a_lost_compare_and_swap_waits_and_rebuilds_on_the_head_once_the_read_catches_up(hub):
+def test_a_lost_compare_and_swap_waits_and_rebuilds_on_the_head_once_the_read_catches_up(hub, waits):
     """Issue 26 (2): after a 412 the loser backs off, reads the head again and rebuilds on it: while the read still
     answers the refused head, that costs one more 412 and wait, never a commit on a stale view."""
     hub.stale_reads = 1
@@ -165,8 +170,7 @@ def test_a_lost_compare_and_swap_waits_and_rebuilds_on_the_head_once_the_read_ca
             hub.upload_file(path_or_fileobj=b"theirs", path_in_repo="eval/other.json", repo_id=REPO)
         return {"eval/mine.json": head.encode()}
 
-    waits: list[float] = []
-    oid = ar.commit_cas(hub, REPO, build, "eval: mine", sleep=waits.append)
+    oid = ar.commit_cas(hub, REPO, build, "eval: mine")
     assert waits == [recipe.CONFLICT_BACKOFF_S, 2 * recipe.CONFLICT_BACKOFF_S]  # the 412, then the stale read's 412
     assert built[:2] == [built[0]] * 2 and built[2] != built[0] and oid == hub.head(REPO)
     assert (hub.root / REPO / "eval/mine.json").read_text() == built[2]

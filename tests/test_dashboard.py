@@ -45,6 +45,16 @@ def test_eval_dashboard_failure_is_said_once_and_the_eval_goes_on(monkeypatch, c
     assert out.count("dashboard: eval logging stopped (OSError: disk full (<redacted>))") == 1 and CANARY not in out
 
 
+def test_an_eval_logs_to_no_dashboard_unless_the_reporter_is_trackio(monkeypatch):
+    import trackio
+
+    monkeypatch.setattr(trackio, "init", lambda *_, **__: pytest.fail("REPORT_TO=none started a Trackio run"))
+    board = dashboard.EvalDashboard("you/repo", "eval", {"REPORT_TO": "none", "DASHBOARD_SPACE": "local"})
+    board.log({"eval/pass_at_1": 0.5}, step=100)
+    board.finish()
+    assert board.state == "off"
+
+
 @pytest.mark.parametrize(("env", "name"), [
     ({"JOB_ID": "68abc"}, "train-68abc"),
     ({"HF_JOB_ID": "68def"}, "train-68def"),

@@ -687,6 +687,19 @@ def test_eval_rollouts_pass_the_real_servers_eval_contract(env_server, monkeypat
     assert "Hugging Face token" in cell["error"]
 
 
+@pytest.mark.parametrize("script", ["eval_adapter", "eval_watch"])
+def test_both_entry_points_refuse_a_split_that_is_not_the_test_splits(env_server, tmp_path, script):
+    """Both start in eval_adapter.job(): an env server serving other tasks than the test split's is refused in one
+    line before the Hub is asked (the watcher ran on any split)."""
+    env_url, llm_url, tasks = env_server
+    served = len(list((tasks / "test" / "tasks").iterdir()))
+    proc = offline.run([f"{script}.py"], offline.offline_env(tmp_path, ADAPTER_REPO=REPO, ENV_URL=env_url,
+                                                             VLLM_URL=llm_url, N_TASKS="1", EVAL_TASKS="1"))
+    assert proc.returncode == 2 and offline.one_line(proc, script) == (
+        f"{script}: the env server's split has {served} tasks, the test split {recipe.TEST_TASKS}: serve the test "
+        "tasks (run_eval.sh does) or set EVAL_SPLIT")
+
+
 # --- run_eval.sh for real, with stub vllm / nvidia-smi / pip and the fake env server (tests/stubs) ---------------
 FAKE_EVAL = '''"""Stands in for eval_adapter.py / eval_watch.py: records what it was started with and what answered."""
 import os, sys, urllib.request

@@ -170,7 +170,7 @@ def test_space_host_wins_over_job_id(job):
     assert "SPACE_HOST=custom--8000.hf.jobs" in next(line for line in out.stdout.splitlines() if "DATASETS=" in line)
 
 
-# --- each script's header (or docs/jobs.md, where it says so) is its environment reference ----------------------
+# --- each script's header (or the docs page it names) is its environment reference ------------------------------------
 def knobs_checked(script: str, common: str) -> set[str]:
     """The knobs a script's text checks (env_knobs, job_knobs), itself or through the common.sh functions it calls."""
     functions = dict(re.findall(r"^([a-z_]+)\(\) \{(.*?)^\}", common, re.M | re.S))
@@ -192,6 +192,6 @@ def test_a_scripts_header_names_every_knob_it_checks_and_only_recipe_defaults(sc
     text = (ROOT / script).read_text()
     header = "".join(re.match(r"#!.*\n((?:#.*\n)+)", text).group(1))
     checked = knobs_checked(text, (ROOT / "common.sh").read_text()) | {"DRY_RUN"}  # common.sh checks it for all
-    reference = header + ((ROOT / "docs" / "jobs.md").read_text() if "docs/jobs.md" in header else "")
+    reference = header + "".join((ROOT / doc).read_text() for doc in set(re.findall(r"docs/\w+\.md", header)))
     assert {name for name in checked if not re.search(rf"\b{name}\b", reference)} == set()
     assert {name for name in re.findall(r"<([A-Z][A-Z0-9_]*)>", header) if not hasattr(recipe, name)} == set()

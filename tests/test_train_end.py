@@ -41,7 +41,7 @@ def push_checkpoint(hub: LocalHub, tmp: Path, step: int) -> None:
     folder.mkdir(parents=True)
     for name in CHECKPOINT_FILES:
         (folder / name).write_text(f"{name} of step {step}")
-    adapter_repo.push_folder(hub, REPO, folder, folder.name, marker=True, backoff_s=0)
+    adapter_repo.push_folder(hub, REPO, folder, folder.name, marker=True)
 
 
 @pytest.fixture

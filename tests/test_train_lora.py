@@ -13,6 +13,7 @@ import os
 import pickle
 import subprocess
 import sys
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -382,31 +383,33 @@ def test_push_uploads_the_checkpoint_in_one_commit_with_its_marker_last(tmp_path
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
     folder = fake_checkpoint(tmp_path / "out" / "checkpoint-100", 100)
-    paths = adapter_repo.push_folder(hub, REPO, folder, "checkpoint-100", marker=True, backoff_s=0)
+    paths = adapter_repo.push_folder(hub, REPO, folder, "checkpoint-100", marker=True)
     assert len(hub.commits) == 1 and paths[-1] == f"checkpoint-100/{adapter_repo.COMPLETE_MARKER}"
     marker = json.loads((tmp_path / "hub" / REPO / "checkpoint-100" / adapter_repo.COMPLETE_MARKER).read_text())
     assert marker["files"] == {p.name: p.stat().st_size for p in folder.iterdir()}
     assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [100]
 
 
-def test_push_retries_with_backoff_then_succeeds(tmp_path):
+def test_push_retries_with_backoff_then_succeeds(tmp_path, monkeypatch):
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
     hub.fail_uploads = recipe.PUSH_RETRIES - 1
     waits: list[float] = []
+    monkeypatch.setattr(time, "sleep", waits.append)
     folder = fake_checkpoint(tmp_path / "checkpoint-5", 5)
-    adapter_repo.push_folder(hub, REPO, folder, "checkpoint-5", marker=True, backoff_s=0.5, sleep=waits.append)
-    assert waits == [0.5, 1.0, 2.0, 4.0][: recipe.PUSH_RETRIES - 1]
+    adapter_repo.push_folder(hub, REPO, folder, "checkpoint-5", marker=True)
+    assert waits == [recipe.PUSH_BACKOFF_S * 2**k for k in range(recipe.PUSH_RETRIES - 1)]
     assert adapter_repo.complete_checkpoints(hub.list_repo_files(REPO)) == [5]
 
 
-def test_push_that_keeps_failing_raises_loudly(tmp_path, caplog):
+def test_push_that_keeps_failing_raises_loudly(tmp_path, caplog, monkeypatch):
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
     hub.fail_uploads = recipe.PUSH_RETRIES
     folder = fake_checkpoint(tmp_path / "checkpoint-5", 5)
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     with pytest.raises(adapter_repo.PushError, match=f"failed {recipe.PUSH_RETRIES} times.*503"):
-        adapter_repo.push_folder(hub, REPO, folder, "checkpoint-5", marker=True, backoff_s=0, sleep=lambda s: None)
+        adapter_repo.push_folder(hub, REPO, folder, "checkpoint-5", marker=True)
     assert hub.commits == [] and hub.list_repo_files(REPO) == []
     assert caplog.text.count("push attempt") == recipe.PUSH_RETRIES - 1
 
@@ -416,7 +419,7 @@ def test_resume_picks_the_newest_complete_checkpoint_and_skips_a_half_written_on
     hub.create_repo(REPO)
     for step in (100, 200):
         adapter_repo.push_folder(hub, REPO, fake_checkpoint(tmp_path / f"c{step}", step), f"checkpoint-{step}",
-                               marker=True, backoff_s=0)
+                               marker=True)
     # checkpoint-300: files uploaded one by one and the job died before the marker.
     for path in fake_checkpoint(tmp_path / "c300", 300).iterdir():
         hub.upload_file(path_or_fileobj=str(path), path_in_repo=f"checkpoint-300/{path.name}", repo_id=REPO)
@@ -430,20 +433,21 @@ def test_resume_picks_the_newest_complete_checkpoint_and_skips_a_half_written_on
 def test_resume_refuses_a_download_that_does_not_match_its_marker(tmp_path):
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
-    adapter_repo.push_folder(hub, REPO, fake_checkpoint(tmp_path / "c1", 1), "checkpoint-1", marker=True, backoff_s=0)
+    adapter_repo.push_folder(hub, REPO, fake_checkpoint(tmp_path / "c1", 1), "checkpoint-1", marker=True)
     (tmp_path / "hub" / REPO / "checkpoint-1" / "trainer_state.json").write_text("truncated")
     with pytest.raises(adapter_repo.PushError, match="does not match its marker"):
         adapter_repo.download_checkpoint(hub, REPO, 1, tmp_path / "out")
 
 
-def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_path):
+def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_path, monkeypatch):
     from transformers import TrainerState
 
+    monkeypatch.setattr(time, "sleep", lambda s: None)
     hub = LocalHub(tmp_path / "hub")
     hub.create_repo(REPO)
     fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
     args = SimpleNamespace(output_dir=str(tmp_path / "out"))
-    pusher = train_callbacks.CheckpointPusher(hub, REPO, backoff_s=0)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO)
     pusher.on_save(args, TrainerState(global_step=7, is_world_process_zero=False), None)
     assert hub.commits == []  # Only the main process pushes.
     hub.fail_uploads = recipe.PUSH_RETRIES
@@ -454,7 +458,7 @@ def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_pa
 
 
 @pytest.mark.parametrize("status", [401, 403, 404, 400])
-def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status):
+def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status, monkeypatch):
     """Defect 6: a refused push (bad token, no write access, no repo) is not retried for minutes."""
     from transformers import TrainerState
 
@@ -463,7 +467,8 @@ def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status):
     fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
     hub.fail_uploads, hub.fail_status = 1, status
     waits: list[float] = []
-    pusher = train_callbacks.CheckpointPusher(hub, REPO, backoff_s=1, sleep=waits.append)
+    monkeypatch.setattr(time, "sleep", waits.append)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO)
     with pytest.raises(RuntimeError) as caught:
         pusher.on_save(SimpleNamespace(output_dir=str(tmp_path / "out")), TrainerState(global_step=7), None)
     message = str(caught.value)
