@@ -15,7 +15,7 @@ of the base, stays within the importance-ratio clip of it. `--quick` runs a few 
 that the script runs: tests/test_rehearsal_chain.py's resumed start); its exit status says whether every sync served
 the trainer's policy, and its last line how many of those checks had the power to fail a sync that sends nothing.
 
-    nice -n 5 .venv/bin/python benchmarks/learning_run.py               # training 18 min on 2 shared cores, eval more
+    nice -n 5 .venv/bin/python benchmarks/learning_run.py               # training 27 min, eval 8 (2 cores at load 20)
     nice -n 5 .venv/bin/python benchmarks/learning_run.py --no-sync     # the control: must not meet the goal
     .venv/bin/python benchmarks/learning_run.py --quick [--vllm-url URL --workdir W]
 """
