@@ -33,12 +33,9 @@ _OWN = "gateway.own"  # the ASGI scope extension a live session's request calls 
 
 def forwardable(raw_path: str) -> bool:
     """Whether a path is on the capture data plane and cannot be normalised into another route (`..`, `//`, `%`)."""
-    if not raw_path.startswith(PREFIX + "/"):
-        return False
-    segments = raw_path[len(PREFIX) + 1 :].split("/")
-    if any(not _SEGMENT.match(s) or set(s) == {"."} for s in segments):
-        return False
-    return segments[0] != "sessions"  # the capture proxy's control plane (the trainer's, on loopback)
+    segments = raw_path.removeprefix(PREFIX + "/").split("/")
+    return (raw_path.startswith(PREFIX + "/") and all(_SEGMENT.match(s) and set(s) != {"."} for s in segments)
+            and segments[0] != "sessions")  # the capture proxy's control plane (the trainer's, on loopback)
 
 
 def _refused(status: int, error: str) -> JSONResponse:
@@ -189,8 +186,7 @@ def main() -> None:
     parser.add_argument("--listen-port", type=int, required=True)
     parser.add_argument("--upstream", required=True, help="the env server's root URL, on loopback")
     args = parser.parse_args()
-    # serve_env.sh has checked these knobs and set the env server's admin key. Idle connections get a quarter of the
-    # open files: the rest are the job's own, and their upstream ones.
+    # serve_env.sh checked these knobs and set the admin key; idle connections get at most a quarter of the open files.
     Connection.head_timeout_s = recipe.knob("GATEWAY_HEAD_TIMEOUT")
     Connection.limit = min(recipe.knob("GATEWAY_IDLE_CONNECTIONS"), resource.getrlimit(resource.RLIMIT_NOFILE)[0] // 4)
     app = create_app(args.upstream, os.environ["OPENENV_CAPTURE_ADMIN_KEY"], recipe.knob("GATEWAY_BODY_TIMEOUT"))

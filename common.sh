@@ -43,9 +43,7 @@ py_check() {
 }
 
 dry_run() { [ "$DRY_RUN" = "1" ]; }
-
 show_cmd() { printf '  $'; printf ' %q' "$@"; printf '\n'; }
-
 # do_cmd CMD...: runs a command, or prints it under DRY_RUN=1.
 do_cmd() { if dry_run; then show_cmd "$@"; else "$@"; fi; }
 
@@ -89,18 +87,13 @@ children_alive() {
   return 1
 }
 
-# signal_children SIG: to each child's group and to the child (right after start_bg the group may not exist yet).
-signal_children() {
-  local pid
-  for pid in "${CHILD_PIDS[@]}"; do kill "-$1" -- "-$pid" 2>/dev/null || true; kill "-$1" "$pid" 2>/dev/null || true; done
-}
-
-# cleanup: TERMs every child, waits up to 1 s for them to stop, then KILLs what is left (none started: no wait).
+# cleanup: TERMs each child's group and the child (right after start_bg the group may not exist yet), waits up to 1 s
+# for them to stop, then KILLs what is left (none started: no wait).
 cleanup() {
-  local _
-  signal_children TERM
+  local pid _
+  for pid in "${CHILD_PIDS[@]}"; do kill -TERM -- "-$pid" "$pid" 2>/dev/null || true; done
   for _ in 1 2 3 4 5 6 7 8 9 10; do children_alive || return 0; sleep 0.1; done
-  signal_children KILL
+  for pid in "${CHILD_PIDS[@]}"; do kill -KILL -- "-$pid" "$pid" 2>/dev/null || true; done
 }
 
 # require_gpus INDEX...: fails with one line if nvidia-smi (none: no GPU) does not list each GPU index.
@@ -114,16 +107,15 @@ require_gpus() {
   done
 }
 
-# require_sandbox_credentials: SANDBOX is offered and its key set (the launcher's check too).
-require_sandbox_credentials() { env_knobs SANDBOX; py_check 'import recipe; recipe.sandbox_keys(sys.argv[2])' "$SANDBOX"; }
+# record_stage start|end NAME [NOTE]: a line of STAGES_FILE (the smoke run's, which its preflight creates).
+record_stage() { [ -z "${STAGES_FILE:-}" ] || dry_run || printf '%s %s %s %s\n' "$1" "$2" "$(date +%s)" "${3:-}" >>"$STAGES_FILE"; }
 
 # step N NAME FUNCTION...: runs FUNCTION, then one line: what it did ($STEP_NOTE) and how long it took; with
 # STAGES_FILE set (the smoke run), "start NAME EPOCH" / "end NAME EPOCH NOTE" lines for the report.
 STEP_NOTE=""
 step() {
   local n="$1" name="$2" t0=$SECONDS
-  shift 2
-  STEP_NOTE=""
+  shift 2; STEP_NOTE=""
   log "step $n/$STEPS $name"
   record_stage start "$name"
   "$@"
@@ -131,14 +123,8 @@ step() {
   log "step $n/$STEPS $name: ${STEP_NOTE:-done} ($(( SECONDS - t0 ))s)"
 }
 
-record_stage() {
-  if [ -z "${STAGES_FILE:-}" ] || dry_run; then return 0; fi
-  mkdir -p "$(dirname "$STAGES_FILE")"
-  printf '%s %s %s %s\n' "$1" "$2" "$(date +%s)" "${3:-}" >>"$STAGES_FILE"
-}
-
-# job_knobs NAME...: env_knobs on every job script's knobs (run_job.sh's final eval is run_eval.sh: what it would
-# refuse stops the training job before its hours of training) and NAME...; SANDBOX exported for every step.
+# job_knobs NAME...: env_knobs on every job script's knobs (what run_eval.sh, run_job.sh's final eval, would refuse
+# stops the training job before its hours of training) and NAME...; SANDBOX exported for every step.
 job_knobs() {
   env_knobs DEBUG READY_TIMEOUT POLICY_PORT ENV_PORT PUBLIC_PORT SANDBOX REPORT_TO DASHBOARD_SPACE EVAL_TASKS \
     EVAL_CONCURRENCY "$@"
@@ -188,8 +174,7 @@ install_stack() {
   STEP_NOTE+="; pip check clean but for recipe.PIP_CHECK_ACCEPTED; vLLM's API server imports"
 }
 
-# on_exit: a job script's EXIT trap: stops every child, runs $REPORT_HOOK if set (the smoke report: whatever happened,
-# and its failure fails the job), says the script failed if it did.
+# on_exit: a job script's EXIT trap: stops every child, runs $REPORT_HOOK (the smoke report; its failure fails the job).
 on_exit() {
   local rc=$? hook_rc=0
   trap - EXIT
@@ -203,8 +188,7 @@ on_exit() {
 # begin_job READ_KNOBS: a job script's start: on_exit on any exit (TERM/INT become exits), then its knob reader.
 begin_job() {
   trap on_exit EXIT
-  trap 'exit 143' TERM
-  trap 'exit 130' INT
+  trap 'exit 143' TERM; trap 'exit 130' INT
   "$1"
   if dry_run; then log "DRY_RUN=1: printing the plan; nothing is installed or started"; fi
 }

@@ -74,8 +74,7 @@ def check_rows(rows: list[Any], split: str) -> None:
 
 
 def check_lists(lists: dict[str, list[Any]]) -> None:
-    """Rows well-formed, the recipe's counts, and no train task sharing a name, source or notebook with a test task
-    (held-out results would be contaminated)."""
+    """Rows well-formed, the recipe's counts, and no train task sharing a name, source or notebook with a test task."""
     for split in SPLITS:
         check_rows(lists[split], split)
     medium, hard, test = recipe.TRAIN_MEDIUM, recipe.TRAIN_HARD, recipe.TEST_TASKS
@@ -152,19 +151,15 @@ def verify(rows: list[dict[str, str]], src: Path, split: str, where: str) -> Non
 
 
 def build_split(rows: list[dict[str, str]], src: Path, dest: Path, split: str, origin: str) -> None:
-    """Copy and patch every listed task into `dest`, then write dest/manifest.json."""
-    files: dict[str, dict[str, str]] = {}
+    """Copy and patch every listed task into `dest`, then write dest/manifest.json (what it was made from)."""
     for i, row in enumerate(rows, 1):
         target = dest / "tasks" / row["name"]
         shutil.copytree(src / "tasks" / row["name"], target)
         (target / "task.toml").write_text(patched_toml(target))
-        files[row["name"]] = {p.relative_to(target).as_posix(): sha256_file(p)
-                              for p in sorted(target.rglob("*")) if p.is_file()}
         progress(f"copy {split}", i, len(rows))
     repo_id, revision = DATASETS[split]
     manifest = {"split": split, "dataset": repo_id, "revision": revision, "origin": origin, "count": len(rows),
-                "docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB,
-                "files": files}
+                "docker_image": recipe.TASK_IMAGE, "cpus": recipe.TASK_CPUS, "memory_mb": recipe.TASK_MEMORY_MB}
     (dest / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
 
 
@@ -217,17 +212,14 @@ def main(argv: list[str] | None = None, api: Any = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("TASKS_DIR", "tasks")),
                         help="output folder, one subfolder per split (env TASKS_DIR, default: tasks)")
-    parser.add_argument("--train-source", type=Path, help="local snapshot of the train dataset (default: the Hub, "
-                        f"{recipe.TRAIN_DATASET}@{recipe.TRAIN_REVISION})")
-    parser.add_argument("--test-source", type=Path, help="local snapshot of the test dataset (default: the Hub, "
-                        f"{recipe.TEST_DATASET}@{recipe.TEST_REVISION})")
-    parser.add_argument("--split", choices=("train", "test", "all"), default="all")
-    parser.add_argument("--data", type=Path, default=DATA_DIR,
-                        help="folder of train.json and test.json (default: data/ beside this script)")
+    for split in SPLITS:
+        parser.add_argument(f"--{split}-source", type=Path, help=f"local snapshot of the {split} dataset (default: "
+                            f"the Hub, {'@'.join(DATASETS[split])})")
+    parser.add_argument("--split", choices=(*SPLITS, "all"), default="all")
     args = parser.parse_args(argv)
-    splits, sources = SPLITS if args.split == "all" else (args.split,), {"train": args.train_source,
-                                                                         "test": args.test_source}
-    return adapter_repo.run_cli("prepare_tasks.py", lambda: materialize(args.out, splits, sources, args.data, api))
+    splits = SPLITS if args.split == "all" else (args.split,)
+    sources = {split: getattr(args, f"{split}_source") for split in SPLITS}
+    return adapter_repo.run_cli("prepare_tasks.py", lambda: materialize(args.out, splits, sources, DATA_DIR, api))
 
 
 if __name__ == "__main__":

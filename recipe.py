@@ -43,12 +43,10 @@ GRADER_SHA256 = "16f906e9248fa8b7e1141939e425e88e59d52d65e98e360bbacef3720a43629
 SANDBOX = "hf-sandbox"
 SANDBOXES: dict[str, dict[str, Any]] = {
     "hf-sandbox": {"keys": (("HF_TOKEN",),), "requirements": ""},
+    # opentelemetry: the vLLM image's family; daytona's newest instrumentation would move it (5 pip check breaks)
     "daytona": {"keys": (("DAYTONA_API_KEY",), ("DAYTONA_JWT_TOKEN", "DAYTONA_ORGANIZATION_ID")),
-                "settings": ("DAYTONA_API_URL", "DAYTONA_TARGET"), "requirements": """harbor[daytona]
-daytona==0.226.1
-# the vLLM image's OpenTelemetry family; daytona's newest instrumentation would move it (5 pip check breaks)
-opentelemetry-exporter-otlp==1.45.1
-"""},
+                "settings": ("DAYTONA_API_URL", "DAYTONA_TARGET"),
+                "requirements": "harbor[daytona]\ndaytona==0.226.1\nopentelemetry-exporter-otlp==1.45.1\n"},
     "e2b": {"keys": (("E2B_API_KEY",),), "requirements": "harbor[e2b]\ne2b==2.63.0\n"},
 }
 E2B_HOBBY_CONCURRENCY = 20  # E2B Hobby's sandboxes at once, under MAX_INFLIGHT_ROLLOUTS: warned (not visible offline)
@@ -194,7 +192,6 @@ ROLLOUT_LOG_NAME = "rollout_log.jsonl"  # one line per finished rollout, across 
 TRAJECTORIES_NAME = "trajectories.json"  # the last TRAJECTORY_SAMPLE trajectories; each push commits them
 TRAJECTORY_SAMPLE = 8
 KEPT_LEDGER_GLOB = "rollouts.start-*.json"  # the earlier starts' ledgers, * their number in start order
-_KEPT_LEDGER = re.compile(re.escape(KEPT_LEDGER_GLOB).replace(r"\*", "([1-9][0-9]*)"))
 STAGES_NAME = "stages"  # the smoke job's stage starts and ends (common.sh's step)
 
 
@@ -205,9 +202,8 @@ def work_file(heartbeat_file: str | Path, name: str) -> Path:
 
 def kept_ledgers(folder: str | Path) -> list[Path]:
     """The earlier trainer starts' kept-aside ledgers in `folder`, in start order."""
-    numbered = [(int(match.group(1)), path) for path in Path(folder).glob(KEPT_LEDGER_GLOB)
-                if (match := _KEPT_LEDGER.fullmatch(path.name))]
-    return [path for _, path in sorted(numbered)]
+    numbered = {path.name.split("-")[-1].removesuffix(".json"): path for path in Path(folder).glob(KEPT_LEDGER_GLOB)}
+    return [numbered[n] for n in sorted(filter(str.isdigit, numbered), key=int)]
 
 
 def keep_ledger_aside(folder: str | Path) -> Path | None:
@@ -215,14 +211,12 @@ def keep_ledger_aside(folder: str | Path) -> Path | None:
     ledger = Path(folder) / LEDGER_NAME
     if not ledger.is_file():
         return None
-    kept = kept_ledgers(folder)
-    last = int(_KEPT_LEDGER.fullmatch(kept[-1].name).group(1)) if kept else 0
+    last = max((int(path.name.split("-")[-1].removesuffix(".json")) for path in kept_ledgers(folder)), default=0)
     return ledger.replace(Path(folder) / KEPT_LEDGER_GLOB.replace("*", str(last + 1)))
 
 
 def write_atomic(path: str | Path, text: str) -> None:
-    """Write `text` so that a reader sees the old file or the new one, never half of one, and two writers in one
-    folder never share a temporary name (the job's heartbeat folder has several)."""
+    """Write `text` so that a reader sees the old file or the new one, never half, under a temporary name of its own."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.NamedTemporaryFile("w", dir=path.parent, prefix=f".{path.name}.", suffix=".tmp", delete=False) as tmp:
@@ -247,9 +241,8 @@ def read_json(path: str | Path) -> Any:
 
 # --- Rewards: the rule the training sessions, the rollout guard and the eval share --------------------------------
 def graded_reward(result: Any) -> float | None:
-    """The grade a finished rollout earned the policy (an agent timeout's too), or None when it has none: no reward, no
-    agent turn reaching the model, or a model call that failed at the engine (why each: docs/recipe.md). `result` is
-    OpenEnv's HarborRolloutResult, read by attribute so that this module needs no openenv."""
+    """The grade a finished rollout earned (an agent timeout's too), or None: no reward, no agent turn reaching the
+    model, or a call failed at the engine (docs/recipe.md). `result`: OpenEnv's HarborRolloutResult, by attribute."""
     reward = getattr(result, "reward", None)
     turns = getattr(result, "turns", None) or []
     if reward is None or upstream_errors(result) or not any(t.role == "agent" and not t.discarded for t in turns):
@@ -306,8 +299,7 @@ def pinned_versions(text: str = JOB_REQUIREMENTS) -> dict[str, str]:
 
 
 def requirements(*sandboxes: str) -> str:
-    """The pip requirements a job installs: JOB_REQUIREMENTS and the pins of each named backend, one text, so one pip
-    call resolves them together."""
+    """JOB_REQUIREMENTS and each named backend's pins: one text, so that one pip call resolves them together."""
     return JOB_REQUIREMENTS + "".join(f"# SANDBOX={name}\n{SANDBOXES[name]['requirements']}" for name in sandboxes
                                       if SANDBOXES[name]["requirements"])
 
@@ -341,14 +333,13 @@ def require_repo_id(value: str | None, var: str, example: str = "you/LFM2.5-2.6B
 
     if not value:
         raise ConfigError(f"{var} is not set: set it to your repo id, e.g. {var}={example}")
-    why = ""
     try:
         validate_repo_id(value)
-    except HFValidationError as error:
-        why = f" (the Hub's rule: {str(error).rstrip('.')})"
-    else:
         if value.count("/") == 1:
             return value
+        why = ""
+    except HFValidationError as error:
+        why = f" (the Hub's rule: {str(error).rstrip('.')})"
     raise ConfigError(f"{var}={value!r} is not a valid repo id{why}: use 'owner/name', e.g. {example}")
 
 
@@ -415,10 +406,9 @@ def host_name(raw: str, var: str) -> str:
 
 @dataclass(frozen=True)
 class Knob:
-    """An environment knob: its default, type, range and the range's reason. `kind` is bool (yes/no words), int (a
-    whole number >= lo, default 1), float (a number > lo, default 0), the tuple of words offered, or a parser(raw,
-    name). A default or bound may be a function of the environment: knobs bounded by others. `excludes`: a knob it
-    may not be set beside; `unlike`: knobs whose value it may not share."""
+    """An environment knob: default, type, range and the range's reason. `kind`: bool (yes/no words), int (whole, >= lo,
+    default 1), float (> lo, default 0), the tuple of words offered, or a parser(raw, name); a default or bound may be
+    a function of the environment. `excludes`: a knob it may not be set beside; `unlike`: knobs it may not equal."""
 
     default: Any
     kind: Any
@@ -515,10 +505,8 @@ def _parse(name: str, raw: str, env: Mapping[str, str]) -> Any:
     whole = spec.kind is int
     lo, hi = (bound(env) if callable(bound) else bound for bound in (spec.lo, spec.hi))
     lo, hi = (int(whole) if lo is None else lo), (math.inf if hi is None else hi)
-    if whole:
-        span = f"{lo}..{hi}" if hi < math.inf else f"a whole number >= {lo}"
-    else:
-        span = f"{lo:g}..{hi:g}" if lo else f"at most {hi:g}"
+    span = ((f"{lo}..{hi}" if hi < math.inf else f"a whole number >= {lo}") if whole
+            else f"{lo:g}..{hi:g}" if lo else f"at most {hi:g}")
     try:
         value = spec.kind(raw)
     except ValueError:

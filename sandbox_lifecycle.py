@@ -85,9 +85,8 @@ def _share_template(environment: Any) -> None:
 
 
 def verify_lifetime(sandbox: str = recipe.SANDBOX) -> str:
-    """Run Harbor's preflight for `sandbox` (SystemExit with its line), build an environment through Harbor's factory
-    as a trial does (nothing starts) and say what its start will ask the backend for; ShapeError if that is not the
-    recipe's lifetime, or Harbor changed shape."""
+    """Harbor's preflight for `sandbox` (SystemExit), then what a trial built through Harbor's factory (nothing starts)
+    will ask the backend for; ShapeError if that is not the recipe's lifetime, or Harbor changed shape."""
     import tempfile
 
     from harbor.environments.factory import EnvironmentFactory
@@ -194,6 +193,7 @@ def _size_bytes(folder: Path) -> int:
 
 
 REDACTED = "<capture session key redacted>"
+_PRUNE_LOCK = threading.Lock()  # rollouts finish on several threads of TRL's rollout child: one prune at a time
 
 
 def _redact(folder: Path, secret: str) -> None:
@@ -205,14 +205,9 @@ def _redact(folder: Path, secret: str) -> None:
                 path.write_bytes(data.replace(secret.encode(), REDACTED.encode()))
 
 
-# Rollouts finish on several threads of TRL's rollout child; one prune at a time.
-_PRUNE_LOCK = threading.Lock()
-
-
 def finish_trial(trial_dir: Path, *, failed: bool, session_key: str = "") -> None:
-    """Call once a rollout's trace and timing are taken: a scored rollout's trial folder is removed; a failed one's
-    is kept, its `session_key` redacted, and the finished trials beside it (a lost call's too; never a running one)
-    are pruned to recipe.FAILED_TRIALS_KEEP_MB, newest first."""
+    """Once a rollout's trace and timing are taken: remove a scored one's trial folder; keep a failed one's, redacted,
+    and prune the finished trials beside it (never a running one) to recipe.FAILED_TRIALS_KEEP_MB, newest first."""
     from harbor.models.trial.paths import TrialPaths
 
     paths = TrialPaths(Path(trial_dir))

@@ -1,31 +1,25 @@
 #!/usr/bin/env bash
 # The OpenEnv Harbor env server (task API + capture proxy) on loopback, and capture_gateway.py on the public port,
-# which forwards only /capture/... to it. Runs in the foreground until the env server exits, or the gateway exits more
-# often in a row than GATEWAY_RESTARTS (then stops the other and exits non-zero); callers background it.
+# which forwards only /capture/... to it; in the foreground (callers background it) until either stops for good.
 #
 #   DATASETS=/tmp/lfm-job/tasks/train SPACE_HOST=<job-id>--<PUBLIC_PORT>.hf.jobs bash serve_env.sh
 #   DRY_RUN=1 ... bash serve_env.sh         # print both commands and their environment only
 #
-# Knobs (defaults from recipe.py; what each is: docs/jobs.md "The servers"): DATASETS and SPACE_HOST (required),
-# POLICY_URL, MODEL, SANDBOX (and its key), ENV_HOST, ENV_PORT, PUBLIC_HOST, PUBLIC_PORT, MAX_CONCURRENT_ENVS,
-# OPENCODE_VERSION, OPENENV_CAPTURE_ADMIN_KEY, GATEWAY_HEAD_TIMEOUT, GATEWAY_BODY_TIMEOUT, GATEWAY_IDLE_CONNECTIONS,
-# GATEWAY_RESTARTS, ALLOW_NON_LOOPBACK.
+# Environment: DATASETS and SPACE_HOST (required); every other knob and its default: docs/jobs.md "The servers".
 set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
 check_inputs() {
   env_knobs SPACE_HOST ALLOW_NON_LOOPBACK ENV_PORT PUBLIC_PORT GATEWAY_HEAD_TIMEOUT GATEWAY_BODY_TIMEOUT \
-    GATEWAY_IDLE_CONNECTIONS GATEWAY_RESTARTS
+    GATEWAY_IDLE_CONNECTIONS GATEWAY_RESTARTS SANDBOX
   [ -n "${DATASETS:-}" ] || die "DATASETS is not set: point it at the task folders prepare_tasks.py wrote"
   local dataset
-  if ! dry_run; then
-    for dataset in $DATASETS; do [ -d "$dataset" ] || die "DATASETS entry $dataset is not a folder: run prepare_tasks.py first"; done
-  fi
+  for dataset in $DATASETS; do dry_run || [ -d "$dataset" ] || die "DATASETS entry $dataset is not a folder: run prepare_tasks.py first"; done
   [ -n "$SPACE_HOST" ] || die "SPACE_HOST is not set: set it to the public host of PUBLIC_PORT, e.g. <job-id>--$PUBLIC_PORT.hf.jobs"
   [ "$ENV_HOST" = "$(recipe LOOPBACK)" ] || [ "$ALLOW_NON_LOOPBACK" = "1" ] \
     || die "ENV_HOST=$ENV_HOST would expose the env server's task API: bind $(recipe LOOPBACK), or set ALLOW_NON_LOOPBACK=1"
-  require_sandbox_credentials
+  py_check 'import recipe; recipe.sandbox_keys(sys.argv[2])' "$SANDBOX"  # its key set (the launcher checks it too)
   port_free "$ENV_PORT"
   port_free "$PUBLIC_PORT"
 }

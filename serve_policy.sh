@@ -11,28 +11,6 @@ set -euo pipefail
 # shellcheck source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
-# Prints the vLLM command line, one argument per line.
-vllm_args() {
-  local model="${MODEL:-$(recipe BASE_MODEL)}" revision="${REVISION:-$(recipe BASE_MODEL_REVISION)}"
-  printf '%s\n' "${VLLM:-vllm}" serve "$model" \
-    --revision "$revision" --tokenizer-revision "$revision" \
-    --served-model-name "${SERVED_NAME:-$(recipe SERVED_MODEL_NAME)}" \
-    --host "$HOST" --port "$PORT" \
-    --dtype "$(recipe SERVE_DTYPE)" \
-    --max-model-len "${MAX_MODEL_LEN:-$(recipe MAX_MODEL_LEN)}" \
-    --generation-config vllm \
-    --return-tokens-as-token-ids \
-    --logprobs-mode processed_logprobs \
-    --enable-auto-tool-choice --tool-call-parser lfm2 \
-    --chat-template "$CHAT_TEMPLATE"
-  if [ "$LORA" = "1" ]; then
-    printf '%s\n' --enable-lora --max-lora-rank "$(recipe LORA_R)" --max-loras "$MAX_LORAS"
-    [ -z "${LORA_MODULES:-}" ] || printf '%s\n' --lora-modules "$LORA_MODULES"
-  else
-    printf '%s\n' --weight-transfer-config '{"backend":"nccl"}'
-  fi
-}
-
 main() {
   GPU="${GPU:-$(recipe VLLM_GPU)}"
   HOST="${HOST:-$(recipe LOOPBACK)}"
@@ -44,9 +22,20 @@ main() {
   [ -n "${LORA_MODULES:-}" ] && [ "$LORA" != "1" ] && die "LORA_MODULES needs LORA=1"
   require_gpus "$GPU"
   port_free "$PORT"
-  local -a env_vars=("CUDA_VISIBLE_DEVICES=$GPU") cmd
-  if [ "$LORA" = "1" ]; then env_vars+=(VLLM_ALLOW_RUNTIME_LORA_UPDATING=True); else env_vars+=(VLLM_SERVER_DEV_MODE=1); fi
-  mapfile -t cmd < <(vllm_args)
+  local revision="${REVISION:-$(recipe BASE_MODEL_REVISION)}"
+  local -a env_vars=("CUDA_VISIBLE_DEVICES=$GPU") cmd=("${VLLM:-vllm}" serve "${MODEL:-$(recipe BASE_MODEL)}"
+    --revision "$revision" --tokenizer-revision "$revision"
+    --served-model-name "${SERVED_NAME:-$(recipe SERVED_MODEL_NAME)}" --host "$HOST" --port "$PORT"
+    --dtype "$(recipe SERVE_DTYPE)" --max-model-len "${MAX_MODEL_LEN:-$(recipe MAX_MODEL_LEN)}"
+    --generation-config vllm --return-tokens-as-token-ids --logprobs-mode processed_logprobs
+    --enable-auto-tool-choice --tool-call-parser lfm2 --chat-template "$CHAT_TEMPLATE")
+  if [ "$LORA" = "1" ]; then
+    env_vars+=(VLLM_ALLOW_RUNTIME_LORA_UPDATING=True)
+    cmd+=(--enable-lora --max-lora-rank "$(recipe LORA_R)" --max-loras "$MAX_LORAS")
+    [ -z "${LORA_MODULES:-}" ] || cmd+=(--lora-modules "$LORA_MODULES")
+  else
+    env_vars+=(VLLM_SERVER_DEV_MODE=1) cmd+=(--weight-transfer-config '{"backend":"nccl"}')
+  fi
   if dry_run; then
     echo "  write the chat template vLLM serves: $PYTHON chat_template.py $CHAT_TEMPLATE"
     show_cmd env "${env_vars[@]}" "${cmd[@]}"

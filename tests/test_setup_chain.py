@@ -16,11 +16,11 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def setup_functions() -> str:
-    """setup.sh without its last line (`main "$@"`), and the image root's file main() sources: their settings and
+    """setup.sh without its last line (`main "$@"`), and the tests' set-up file main() sources: their settings and
     functions, to call one by one."""
     text = (ROOT / "setup.sh").read_text()
-    assert text.endswith('\nmain "$@"\n') and "\n  source tests/chain/image_root.sh\n" in text
-    return text.removesuffix('main "$@"\n') + (ROOT / "tests" / "chain" / "image_root.sh").read_text()
+    assert text.endswith('\nmain "$@"\n') and "\n  source tests/setup_tests.sh\n" in text
+    return text.removesuffix('main "$@"\n') + (ROOT / "tests" / "setup_tests.sh").read_text()
 
 
 def run_install_chain_tools(tmp_path: Path, step: str = "install_chain_tools",

