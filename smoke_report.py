@@ -68,7 +68,8 @@ def plan(steps: int = recipe.SMOKE_STEPS) -> dict[str, Any]:
 
 
 def job_plan(env: Mapping[str, str]) -> str:
-    """The plan's line, then run_job.sh's MAX_STEPS SAVE_STEPS EVAL_TASKS deadline_s (the cap holds no others)."""
+    """The plan's line for the job log, then run_job.sh's numbers: MAX_STEPS SAVE_STEPS EVAL_TASKS deadline_s. A
+    SAVE_STEPS or EVAL_TASKS other than the plan's is refused: the cap holds only the plan."""
     raw = env.get("MAX_STEPS", "").strip()
     p = plan(recipe.knob("MAX_STEPS", value=raw) if raw else recipe.SMOKE_STEPS)
     knobs = {"MAX_STEPS": p["steps"], "SAVE_STEPS": p["save_steps"], "EVAL_TASKS": p["eval_tasks"]}
@@ -105,7 +106,7 @@ def _spread(values: list[float]) -> dict[str, float] | None:
 
 
 def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
-    """What the steps in train_log.json say about the verdict's checks (the other metrics: the dashboard)."""
+    """What the steps in train_log.json say (TRL's metrics and train_metrics'; docs/training.md reads them)."""
     logs = [e for e in (train_log or {}).get("logs", []) if "loss" in e or "ratio" in e]
     low, high = _values(logs, "ratio/sample_min"), _values(logs, "ratio/sample_max")
     dropped, trained = sum(_values(logs, STALE_KEY)), sum(_values(logs, SAMPLES_KEY))
@@ -113,13 +114,22 @@ def training(train_log: dict[str, Any] | None) -> dict[str, Any]:
     def mean(key: str) -> float | None:
         return statistics.fmean(v) if (v := _values(logs, key)) else None
 
+    def last(key: str) -> float | None:
+        return (_values(logs, key) or [None])[-1]
+
     return {
         "steps_done": max((int(e["step"]) for e in logs), default=0),
         "step_s": _spread(_values(logs, "perf/step_s")),
         "ratio_token": _spread(_values(logs, "ratio/token_mean")),
         "ratio": {"min": min(low), "max": max(high)} if low and high else None,
         "kl": _spread(_values(logs, "kl")),
-        "zero_contrast": mean("group/zero_contrast_frac"), "fork_frac": mean("rollout/fork_frac"),
+        "by_age": {f"{kind}_{age}": mean(f"{kind}/{age}") for kind in ("kl", "clip_ratio") for age in ("fresh", "old")},
+        "unbounded_tokens": sum(_values(logs, "clip_ratio/unbounded_total")),
+        "lora_update": mean("lora/update_norm"), "lora_b_norm": last("lora/b_norm"),
+        "learning_rate": last("learning_rate"),
+        "groups": {"zero_contrast": mean("group/zero_contrast_frac"), "bonus_only": mean("group/bonus_only_frac"),
+                   "zero_advantage": mean("sample/zero_advantage_frac")},
+        "fork_frac": mean("rollout/fork_frac"),
         "dropped_stale": dropped, "samples_trained": trained,
         "stale_frac": dropped / (dropped + trained) if dropped + trained else None,
     }
@@ -142,7 +152,8 @@ def resume(train_log: dict[str, Any] | None, at: int) -> dict[str, Any]:
 
 
 def verify_checkpoints(api: Any, repo_id: str, steps: Iterable[int], work: Path) -> list[dict[str, Any]]:
-    """Each checkpoint read back from the Hub as a resume reads it (checked against its marker), and its step."""
+    """Each checkpoint downloaded back from the Hub and checked against its marker (adapter_repo's verified download,
+    the one resume uses), and its trainer state saying that step."""
     found = []
     for step in steps:
         entry: dict[str, Any] = {"step": step, "verified": False, "error": None, "prompt_index": None,
@@ -169,15 +180,17 @@ def merge_ledgers(ledgers: list[dict[str, Any]]) -> dict[str, Any] | None:
     classes = dict.fromkeys(c for d in ledgers for c in d.get("unscorable") or {})  # the guard's, in its order
     total["unscorable"] = {c: sum((d.get("unscorable") or {}).get(c, 0) for d in ledgers) for c in classes}
     timings = [d.get("timing") or {} for d in ledgers]
-    slowest = [t.get("max") or {} for t in timings]  # each part's slowest, per start
-    total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": {
-        part: max(s[part] for s in slowest if part in s) for part in dict.fromkeys(p for s in slowest for p in s)}}
+    slowest: dict[str, float] = {}  # each part's slowest over the starts
+    for part, seconds in ((k, v) for t in timings for k, v in (t.get("max") or {}).items()):
+        slowest[part] = max(slowest.get(part, seconds), seconds)
+    total["timing"] = {"count": sum(t.get("count", 0) for t in timings), "max": slowest}
     total["stopped"] = next((d["stopped"] for d in ledgers if d.get("stopped")), None)
     return total
 
 
 def limits(expect: dict[str, Any]) -> dict[str, Any]:
-    """The verdict's limits: recipe.py's (the ratio band widened by bf16's tolerance), or the CPU rehearsal's."""
+    """The verdict's limits: recipe.py's, unless `expect` names others (the CPU rehearsal's tiny random model and
+    injected faults). The median step's token-weighted ratio band: the recipe's 0.998-1.0, bf16's tolerance beside."""
     tolerance = recipe.RATIO_TOLERANCE
     band = expect.get("ratio") or (recipe.RATIO_MIN - tolerance, recipe.RATIO_MAX + tolerance)
     return {"ratio": [float(b) for b in band], "kl": recipe.SMOKE_KL_MAX, "unscorable": recipe.SMOKE_MAX_UNSCORABLE,
@@ -186,7 +199,8 @@ def limits(expect: dict[str, Any]) -> dict[str, Any]:
 
 
 def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
-    """Every reason the run is NO-GO (empty = GO), each naming its numbers, in the job's order."""
+    """Every reason the run is NO-GO (empty = GO), each naming its numbers, in the job's order. `expect`: steps,
+    checkpoints, resume_at (or None), eval (bool), and limits() of its own."""
     train, rollouts, bound = report["training"], report["rollouts"] or {}, limits(expect)
     reasons = [f"stage {s['stage']} failed after {s['seconds']} s: {s['note']}"
                for s in report["stages"] if not s["ok"]]
@@ -253,7 +267,8 @@ def assess(report: dict[str, Any], expect: dict[str, Any]) -> list[str]:
 
 def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger: dict[str, Any] | None,
           checkpoints: list[dict[str, Any]], eval_doc: dict[str, Any] | None, expect: dict[str, Any]) -> dict[str, Any]:
-    """The report document: every section, the verdict and its reasons, and warnings that do not stop the long run."""
+    """The report document: every section, then the verdict and its reasons, and what a user should know before the
+    long run but that does not stop it (a mostly zero-contrast run trains mostly nothing)."""
     bound, summary = limits(expect), (eval_doc or {}).get("summary") or {}
     report: dict[str, Any] = {
         "schema": 1, "created": time.time(), "expect": expect, "stages": stages,
@@ -267,7 +282,7 @@ def build(stages: list[dict[str, Any]], train_log: dict[str, Any] | None, ledger
         if eval_doc else None,
     }
     reasons = assess(report, expect)
-    flat = report["training"]["zero_contrast"]
+    flat = report["training"]["groups"]["zero_contrast"]
     warn = flat is not None and flat > recipe.SMOKE_ZERO_CONTRAST_WARN
     report.update(verdict="NO-GO" if reasons else "GO", reasons=reasons, warnings=[
         f"{flat:.0%} of the trained rows came from zero-contrast groups (every reward equal: the step trains nothing "
@@ -280,8 +295,12 @@ def render(report: dict[str, Any]) -> str:
     def num(value: Any, spec: str = ".0f") -> str:
         return "-" if value is None else format(value, spec)
 
+    def pct(value: float | None) -> str:
+        return num(value, ".1%")
+
     t, r = report["training"], report["rollouts"] or {}
-    step_s, token, row, kl = t["step_s"] or {}, t["ratio_token"] or {}, t["ratio"] or {}, t["kl"] or {}
+    step_s, token, row, kl, age, groups = (t["step_s"] or {}, t["ratio_token"] or {}, t["ratio"] or {}, t["kl"] or {},
+                                           t["by_age"], t["groups"])
     slowest = (r.get("timing") or {}).get("max") or {}
     parts = ", ".join(f"{key.removesuffix('_s')} {slowest[key]:.0f}" for key in sandbox_lifecycle.TIMING_PARTS
                       if key in slowest and key != sandbox_lifecycle.AGENT_PART)
@@ -297,13 +316,18 @@ def render(report: dict[str, Any]) -> str:
         f"  rollouts {num(r.get('rollouts'))} finished, {num(r.get('scored'))} scored, {num(r.get('timed_out'))} timed "
         f"out, {num(r.get('unscorable_total'))} unscorable {json.dumps(r.get('unscorable'))}",
         f"  trained {num(t['samples_trained'])} samples, {num(t['dropped_stale'])} dropped stale (stale "
-        f"{num(t['stale_frac'], '.1%')}); fork_frac {num(t['fork_frac'], '.3f')}",
+        f"{pct(t['stale_frac'])}); fork_frac {'not logged' if t['fork_frac'] is None else num(t['fork_frac'], '.3f')}",
         f"  importance ratio, token-weighted: median step {num(token.get('median'), '.4f')} (steps "
         f"{num(token.get('min'), '.4f')}-{num(token.get('max'), '.4f')}; band {t['ratio_band'][0]:.4f}-"
         f"{t['ratio_band'][1]:.4f}); per-row means {num(row.get('min'), '.4f')}-{num(row.get('max'), '.4f')} "
         "(not judged)",
         f"  kl median step {num(kl.get('median'), '.2g')}, max {num(kl.get('max'), '.2g')} (ceiling "
-        f"{t['kl_ceiling']:g}); rows from zero-contrast groups {num(t['zero_contrast'], '.1%')}",
+        f"{t['kl_ceiling']:g}); by age (fresh/old): kl {num(age['kl_fresh'], '.2g')}/{num(age['kl_old'], '.2g')}, "
+        f"clipped {pct(age['clip_ratio_fresh'])}/{pct(age['clip_ratio_old'])}; unbounded tokens "
+        f"{num(t['unbounded_tokens'])}",
+        f"  LoRA: update {num(t['lora_update'], '.2g')}/step, |B| {num(t['lora_b_norm'], '.2g')}, learning rate "
+        f"{num(t['learning_rate'], 'g')}; rows from zero-contrast groups {pct(groups['zero_contrast'])}, zero "
+        f"advantage {pct(groups['zero_advantage'])}, bonus-only contrast {pct(groups['bonus_only'])}",
         f"  rollouts ended by the call budget {num(r.get('budget_stopped'))}, the context "
         f"{num(r.get('context_exhausted'))}, a cut at the output cap {num(r.get('cut'))}",
         setup,
@@ -346,7 +370,8 @@ def clear(api: Any, repo_id: str) -> int:
 
 
 def push(api: Any, repo_id: str, report: dict[str, Any]) -> None:
-    """smoke_report.json, and the run marked finished in the same commit (a later watcher waits for the next run)."""
+    """smoke_report.json at the repo root, and the run marked finished in the same commit (a watcher started later
+    waits for the next run instead of adopting this one's files)."""
     data = json.dumps(report, indent=1, sort_keys=True).encode()
 
     def files(head: str) -> dict[str, bytes]:

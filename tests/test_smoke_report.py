@@ -189,7 +189,11 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     assert training["ratio_band"] == [0.996, 1.002]  # the recipe's 0.998-1.0, bf16's 0.002 either side
     assert abs(training["ratio_token"]["median"] - 1) < 0.001
     assert training["kl"]["median"] == pytest.approx(1.8e-4, rel=0.2) and training["kl_ceiling"] == recipe.SMOKE_KL_MAX
-    assert training["zero_contrast"] == 0.25
+    assert training["by_age"] == {"kl_fresh": 1.7e-4, "kl_old": 2.4e-4, "clip_ratio_fresh": 0.001,
+                                  "clip_ratio_old": 0.004}
+    assert (training["unbounded_tokens"], training["lora_b_norm"]) == (12, 0.012)
+    assert training["lora_update"] == pytest.approx(6e-3)
+    assert training["groups"] == {"zero_contrast": 0.25, "bonus_only": 0.0, "zero_advantage": 0.25}
     assert training["fork_frac"] == 0.0
     assert training["stale_frac"] == 0.0 and training["samples_trained"] == 48
     assert report["rollouts"] == {k: LEDGER[k] for k in ("rollouts", "scored", "timed_out", *smoke_report.ENDS,
@@ -206,7 +210,8 @@ def test_a_healthy_run_is_go_and_reports_every_field(hub, tmp_path):
     for text in ("steps 6/6", "57 scored", "48 samples, 0 dropped stale", "importance ratio, token-weighted: median "
                  f"step {training['ratio_token']['median']:.4f}", f"per-row means {training['ratio']['min']:.4f}-",
                  "(not judged)", f"kl median step {training['kl']['median']:.2g}", "ceiling 0.01",
-                 "rows from zero-contrast groups 25.0%",
+                 "by age (fresh/old): kl 0.00017/0.00024, clipped 0.1%/0.4%; unbounded tokens 12",
+                 "LoRA: update 0.006/step, |B| 0.012, learning rate 1e-06", "rows from zero-contrast groups 25.0%",
                  "rollouts ended by the call budget 2, the context 1, a cut at the output cap 4",
                  "2:ok, 4:ok, 6:ok", "pass@1 base 0.50",
                  f"setup of 59 rollouts: slowest 80 s (budget {recipe.ROLLOUT_SETUP_BUDGET_S} s); sandbox_start 32",
