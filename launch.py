@@ -169,13 +169,6 @@ def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str, j
 
 
 # --- the job spec ---------------------------------------------------------------------------------------------------
-def job_command(code_repo: str, revision: str, script: str) -> list[str]:
-    """Download exactly the uploaded bundle commit to /app and run one script (the image has python3, no git)."""
-    hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
-    return ["bash", "-c", f"pip -q install {shlex.quote(hub)} && hf download {shlex.quote(code_repo)} --revision "
-                          f"{shlex.quote(revision)} --local-dir {APP_DIR} && bash {APP_DIR}/{script}"]
-
-
 def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """The job's environment (the rest is the bundle's recipe.py), each knob checked as the job's preflight will."""
     job = {"ADAPTER_REPO": adapter_repo}
@@ -254,8 +247,12 @@ def cost(mode: str, job: dict[str, str], timeout: str) -> dict[str, Any]:
 
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
              timeout: str | None = None) -> dict[str, Any]:
-    """The keyword arguments of `run_job` (every job runs OpenCode in remote sandboxes: all expose /capture)."""
-    return {"image": recipe.VLLM_IMAGE, "command": job_command(code_repo, revision, MODES[mode]["script"]),
+    """The keyword arguments of `run_job`: download exactly the uploaded bundle commit to /app and run the mode's
+    script (the image has python3, no git); every job runs OpenCode in remote sandboxes: all expose /capture."""
+    hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
+    command = ["bash", "-c", f"pip -q install {shlex.quote(hub)} && hf download {shlex.quote(code_repo)} --revision "
+               f"{shlex.quote(revision)} --local-dir {APP_DIR} && bash {APP_DIR}/{MODES[mode]['script']}"]
+    return {"image": recipe.VLLM_IMAGE, "command": command,
             "flavor": MODES[mode]["flavor"], "timeout": timeout or MODES[mode]["timeout"], "env": env,
             "secrets": secrets, "expose_public": [recipe.PUBLIC_PORT], "name": f"{PROJECT}-{mode}"}
 

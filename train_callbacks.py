@@ -23,9 +23,8 @@ class CheckpointPusher(TrainerCallback):
     """Pushes each saved checkpoint-N/ to the adapter repo and, in the same commit, the work folder's records under
     logs/<job>/ and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
 
-    def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job",
-                 **push_kwargs: Any) -> None:
-        self.api, self.repo_id, self.push_kwargs = api, repo_id, push_kwargs
+    def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job") -> None:
+        self.api, self.repo_id = api, repo_id
         self.work, self.logs = (Path(work_dir) if work_dir else None), f"{adapter_repo.LOGS_DIR}/{job}"
 
     def records(self, folder: str) -> dict[str, Path | bytes]:
@@ -52,7 +51,7 @@ class CheckpointPusher(TrainerCallback):
             return
         folder = adapter_repo.checkpoint_name(state.global_step)
         adapter_repo.push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True,
-                                 also=self.records(folder), **self.push_kwargs)
+                                 also=self.records(folder))
 
 
 class Heartbeat(TrainerCallback):

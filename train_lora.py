@@ -191,12 +191,11 @@ def callbacks(settings: Settings, api: Any, resumed_from: int | None) -> list[Tr
     """The heartbeat, the checkpoint push (with the work folder's logs), train_log.json, and the smoke's early stop."""
     import train_callbacks
 
-    stop = [train_callbacks.StopAfterStep(settings.stop_after_step)] if settings.stop_after_step else []
     return [train_callbacks.Heartbeat(settings.heartbeat_file),
             train_callbacks.CheckpointPusher(api, settings.adapter_repo, Path(settings.heartbeat_file).parent,
                                              dashboard.job_id(os.environ)),
             train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
-            *stop]
+            *([train_callbacks.StopAfterStep(settings.stop_after_step)] if settings.stop_after_step else [])]
 
 
 # --- Settings ---------------------------------------------------------------------------------------------------------
