@@ -30,10 +30,9 @@ def next_position(start: int, consumed: Iterable[int]) -> dict[str, Any]:
 class PositionedRolloutLoop(RecipeRolloutLoop):
     """The recipe's rollout loop, resuming after every consumed group and reporting the ones that scored to nothing."""
 
-    def __init__(self, *, consumed_ahead: Iterable[int] = (), empty_groups_file: str = "",
-                 dataset_start_index: int = 0, **kwargs: Any) -> None:
-        super().__init__(dataset_start_index=dataset_start_index, **kwargs)
-        self._start, self._skip = dataset_start_index, frozenset(consumed_ahead)
+    def __init__(self, *, consumed_ahead: Iterable[int] = (), empty_groups_file: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._start, self._skip = kwargs.get("dataset_start_index", 0), frozenset(consumed_ahead)
         self._empty_file = Path(empty_groups_file) if empty_groups_file else None
         self._empty: set[int] = set()
 
