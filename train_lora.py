@@ -93,14 +93,13 @@ def build_trainer(settings: Settings, *, factory: Callable[..., Any] | None = No
 
 # --- 2. Rollout worker: tasks, tokenizer, sessions --------------------------------------------------------------------
 def session_factory(settings: Settings) -> functools.partial:
-    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py), rebuilt in TRL's spawned rollout child.
-    The capture proxy enforces the call budget (`agent_step_limit`): TRL's own never reaches a loop-owning agent."""
+    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py), rebuilt in TRL's spawned rollout child;
+    the sessions' defaults are OpenCode, the recipe's agent timeout and its call budget, which the capture proxy
+    enforces (`agent_step_limit`): TRL's own never reaches a loop-owning agent."""
     from harbor_sessions import HarborSessionFactory
 
-    return functools.partial(
-        HarborSessionFactory, settings.env_url, split=settings.train_split, llm_url=settings.vllm_url,
-        model=settings.served_model_name, harness="opencode", sandbox=settings.sandbox,
-        agent_timeout_sec=float(recipe.AGENT_TIMEOUT_SEC), agent_step_limit=recipe.AGENT_CALL_LIMIT)
+    return functools.partial(HarborSessionFactory, settings.env_url, split=settings.train_split,
+                             llm_url=settings.vllm_url, model=settings.served_model_name, sandbox=settings.sandbox)
 
 
 def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset:

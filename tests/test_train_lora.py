@@ -353,16 +353,16 @@ def test_session_factory_builds_harbor_sessions_that_trl_can_train_after_pickle(
     factory = pickle.loads(pickle.dumps(train_lora.session_factory(settings)))
     built = factory(sampling={"temperature": 1.0})  # what TRL's spawned rollout child does
     assert isinstance(built, harbor_sessions.HarborSessionFactory) and built.env_url == "http://127.0.0.1:9001"
-    assert built.session_kwargs["harness"] == "opencode" and built.session_kwargs["sandbox"] == "hf-sandbox"
-    assert built.session_kwargs["llm_url"] == settings.vllm_url
-    assert built.session_kwargs["model"] == recipe.SERVED_MODEL_NAME
-    # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.
-    assert built.session_kwargs["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
-    assert built.session_kwargs["agent_timeout_sec"] == recipe.AGENT_TIMEOUT_SEC
     assert TOKEN not in pickle.dumps(factory).decode("latin-1")
     built._tasks = [{"index": 3, "task_name": "t3", "instruction": "Say 4.2."}]  # as tasks() fills it
     session = pickle.loads(pickle.dumps(built)).create([{"role": "user", "content": "Say 4.2.\n"}])
     assert isinstance(session, TrainableSession)  # TRL's loop-owning path refuses anything else
+    call = session.call  # what the env server's run_rollout gets
+    assert call["harness"] == "opencode" and call["sandbox"] == "hf-sandbox" and call["purpose"] == "train"
+    assert call["llm_url"] == settings.vllm_url and call["model"] == recipe.SERVED_MODEL_NAME
+    # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.
+    assert call["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
+    assert call["agent_timeout_sec"] == recipe.AGENT_TIMEOUT_SEC
     assert (session.task_index, session.call["purpose"], session.call["sampling"]) == (3, "train", {"temperature": 1.0})
 
 
