@@ -319,7 +319,6 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
            hub_version: str, make_api: Callable[[str], Any]) -> dict[str, Any]:
     """Preflight, then (unless --dry-run) upload the bundle and start the job; return what was (or would be) done."""
     mode, bundle = args.mode, args.bundle_dir
-    recipe.knob("DEBUG", env)
     args.dry_run = recipe.knob("DRY_RUN", env) or args.dry_run  # checked even beside --dry-run: a typo is refused
     if not args.dry_run:
         check_hub_version(hub_version)
@@ -391,20 +390,20 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
 
     env = dict(os.environ if env is None else env)
     args = parse_args(argv, env)
-    try:
+
+    def run() -> None:
         done = launch(args, env, stored_token=stored_token or huggingface_hub.get_token,
                       hub_version=huggingface_hub.__version__,
                       make_api=make_api or (lambda token: huggingface_hub.HfApi(token=token)))
-    except Exception as err:  # noqa: BLE001 - one line: what failed, the likely cause, the fix (DEBUG=1: traceback)
-        return ar.report_failure("launch.py", err, env)
-    for note in done.get("notes", []):
-        print(f"launch.py: note: {note}", file=sys.stderr)
-    if args.dry_run:
-        print(json.dumps(done, indent=2))
-        return 0
-    print(f"uploaded {len(done['upload']['files'])} files to {done['upload']['repo']}@{done['upload']['revision']}")
-    print("\n".join(done["follow"]))
-    return 0
+        for note in done.get("notes", []):
+            print(f"launch.py: note: {note}", file=sys.stderr)
+        if args.dry_run:
+            print(json.dumps(done, indent=2))
+        else:
+            print(f"uploaded {len(done['upload']['files'])} files to {done['upload']['repo']}@"
+                  f"{done['upload']['revision']}\n" + "\n".join(done["follow"]))
+
+    return ar.run_cli("launch.py", run, env)
 
 
 if __name__ == "__main__":
