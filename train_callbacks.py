@@ -23,14 +23,11 @@ class CheckpointPusher(TrainerCallback):
     """Pushes each saved checkpoint-N/ to the adapter repo and, in the same commit, the work folder's records under
     logs/<job>/ and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
 
-    def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job") -> None:
-        self.api, self.repo_id = api, repo_id
-        self.work, self.logs = (Path(work_dir) if work_dir else None), f"{adapter_repo.LOGS_DIR}/{job}"
+    def __init__(self, api: Any, repo_id: str, work_dir: str | Path, job: str) -> None:
+        self.api, self.repo_id, self.work, self.logs = api, repo_id, Path(work_dir), f"{adapter_repo.LOGS_DIR}/{job}"
 
     def records(self, folder: str) -> dict[str, Path | bytes]:
         """{repo path: file} of the work folder's records, this checkpoint's trajectory sample and the page."""
-        if self.work is None:
-            return {}
         names = [recipe.TRAIN_LOG_NAME, recipe.LEDGER_NAME, recipe.ROLLOUT_LOG_NAME]
         found = [self.work / n for n in names] + recipe.kept_ledgers(self.work)
         also: dict[str, Path | bytes] = {f"{self.logs}/{p.name}": p for p in found if p.is_file()}

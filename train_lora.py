@@ -355,9 +355,7 @@ def disk_full(folder: str) -> str | None:
     """Why the trainer failed, if the disk holding `folder` is full: measured, since torch.save's own error on a full
     disk never says so (`[enforce fail at inline_container.cc:672] . unexpected pos`, no ENOSPC in its chain)."""
     path = Path(folder).absolute()
-    while not path.exists():
-        path = path.parent
-    usage = shutil.disk_usage(path)
+    usage = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists()))
     if usage.free >= 2**30:  # a checkpoint (adapter + optimizer state) is ~0.5 GB: under twice that, the disk is full
         return None
     return (f"the disk holding {folder} is full ({usage.free / 2**20:.1f} MB free of {usage.total / 2**20:.0f} MB): "

@@ -447,7 +447,7 @@ def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_pa
     hub.create_repo(REPO)
     fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
     args = SimpleNamespace(output_dir=str(tmp_path / "out"))
-    pusher = train_callbacks.CheckpointPusher(hub, REPO)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO, tmp_path / "work", "job")
     pusher.on_save(args, TrainerState(global_step=7, is_world_process_zero=False), None)
     assert hub.commits == []  # Only the main process pushes.
     hub.fail_uploads = recipe.PUSH_RETRIES
@@ -468,7 +468,7 @@ def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status, mo
     hub.fail_uploads, hub.fail_status = 1, status
     waits: list[float] = []
     monkeypatch.setattr(time, "sleep", waits.append)
-    pusher = train_callbacks.CheckpointPusher(hub, REPO)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO, tmp_path / "work", "job")
     with pytest.raises(RuntimeError) as caught:
         pusher.on_save(SimpleNamespace(output_dir=str(tmp_path / "out")), TrainerState(global_step=7), None)
     message = str(caught.value)
