@@ -93,9 +93,8 @@ def build_trainer(settings: Settings, *, factory: Callable[..., Any] | None = No
 
 # --- 2. Rollout worker: tasks, tokenizer, sessions --------------------------------------------------------------------
 def session_factory(settings: Settings) -> functools.partial:
-    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py), rebuilt in TRL's spawned rollout child;
-    the sessions' defaults are OpenCode, the recipe's agent timeout and its call budget, which the capture proxy
-    enforces (`agent_step_limit`): TRL's own never reaches a loop-owning agent."""
+    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py: OpenCode, the recipe's agent timeout and
+    call budget, which the capture proxy enforces; TRL's never reaches a loop-owning agent), rebuilt in TRL's child."""
     from harbor_sessions import HarborSessionFactory
 
     return functools.partial(HarborSessionFactory, settings.env_url, split=settings.train_split,
