@@ -31,8 +31,6 @@ HERE = Path(__file__).resolve().parent
 PROJECT = "lfm-opencode-lora-rl"
 CODE_REPO_NAME = f"{PROJECT}-code"
 APP_DIR = "/app"
-# The recipe's own upload patterns (`hf upload --include`); Path.glob's * stays within one folder.
-BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
 # The jobs' scripts and every module they import: a bundle that lacks one is a partial checkout.
 JOB_FILES = ("run_job.sh", "run_eval.sh", "run_eval_watch.sh", "recipe.py", "common.sh", "image_check.py",
              "prepare_tasks.py", "eval_adapter.py", "eval_watch.py", "harbor_sessions.py", "adapter_repo.py",
@@ -57,7 +55,6 @@ JOB_KNOBS: dict[str, tuple[str, ...]] = {
 }
 REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
-PENDING_REVISION = "<commit of the uploaded bundle>"
 HF_CLI = "uvx hf"  # the Hub's CLI with nothing but uv
 
 
@@ -73,15 +70,6 @@ def check_hub_version(version: str) -> None:
                                  f"and {tomli_w})")
 
 
-def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str, str]:
-    """Both repo ids well-formed and distinct; the code repo defaults to the adapter owner's namespace."""
-    adapter = recipe.require_repo_id(adapter_repo, "ADAPTER_REPO")
-    code = recipe.require_repo_id(code_repo or f"{adapter.split('/')[0]}/{CODE_REPO_NAME}", "CODE_REPO")
-    if code == adapter:
-        raise recipe.ConfigError(f"CODE_REPO and ADAPTER_REPO are both {adapter!r}: give the code bundle its own repo")
-    return adapter, code
-
-
 def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
     """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's), away from the full run's watcher."""
     try:
@@ -93,9 +81,10 @@ def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
 
 
 def bundle_files(bundle: Path) -> list[str]:
-    """Relative paths of the files the job downloads to /app, sorted."""
-    return sorted({p.relative_to(bundle).as_posix() for pattern in BUNDLE_GLOBS for p in bundle.glob(pattern)
-                   if p.is_file()})
+    """Relative paths of the files the job downloads to /app, sorted: the recipe's own upload patterns (`hf upload
+    --include`; Path.glob's * stays within one folder)."""
+    return sorted({p.relative_to(bundle).as_posix() for pattern in ("*.py", "*.sh", "*.md", "data/*.json")
+                   for p in bundle.glob(pattern) if p.is_file()})
 
 
 def check_bundle(bundle: Path) -> list[str]:
@@ -325,7 +314,11 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
     token = env.get("HF_TOKEN", "").strip() or (stored_token() or "").strip()  # the Hub's auth-check judges it
     if not token:
         raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
-    adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
+    adapter_repo = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")  # the code repo: its owner's by default
+    code_repo = recipe.require_repo_id(args.code_repo or f"{adapter_repo.split('/')[0]}/{CODE_REPO_NAME}", "CODE_REPO")
+    if code_repo == adapter_repo:
+        raise recipe.ConfigError(f"CODE_REPO and ADAPTER_REPO are both {adapter_repo!r}: give the code bundle its own "
+                                 "repo")
     asked_repo = adapter_repo
     if mode == "smoke" or getattr(args, "smoke", False):
         adapter_repo = suffixed_repo(adapter_repo, ar.SMOKE_SUFFIX, "the smoke run pushes to")
@@ -354,7 +347,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         said["smoke_plan"] = plan
     shown = dict.fromkeys(secrets, REDACTED)  # what is printed: never a secret's value
     if args.dry_run:
-        spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, shown, timeout)
+        spec = job_spec(mode, code_repo, "<commit of the uploaded bundle>", job_vars, shown, timeout)
         return {"job": spec, "upload": {"repo": code_repo, "files": files},
                 "dashboard": dashboard_info(job_vars, TOKEN_OWNER), **said}
     from huggingface_hub import CommitOperationAdd
