@@ -203,31 +203,23 @@ def failure_line(error: BaseException) -> tuple[str, int]:
             "cause is not yours to fix"), 1
 
 
-def report_failure(script: str, error: BaseException, env: Mapping[str, str] | None = None) -> int:
-    """Print `error` on stderr as one line (a traceback buries the one fact a user needs; DEBUG=1 prints it first);
-    return the exit code."""
-    line, code = failure_line(error)
-    try:
-        debug = recipe.knob("DEBUG", env)
-    except recipe.ConfigError:
-        debug = False  # run_cli refuses a bad DEBUG before anything runs
-    if debug:
-        traceback.print_exception(error)
-    print(" ".join(f"{script}: {line}".splitlines()), file=sys.stderr)
-    return code
-
-
 def run_cli(script: str, main: Callable[[], object], env: Mapping[str, str] | None = None,
             usage: str | None = None) -> int:
-    """Run an entry point: 0 when it returns, one line on stderr and a non-zero exit code when it fails."""
+    """Run an entry point: 0 when it returns; when it fails, one line on stderr (a traceback buries the one fact a
+    user needs; DEBUG=1 prints it first) and the exit code."""
     if usage is not None and sys.argv[1:]:  # no arguments (the environment is the interface): any prints `usage`
         print(f"usage: python3 {script}.py  (no arguments: settings come from the environment)\n\n{usage}")
         return 0 if sys.argv[1:] in (["-h"], ["--help"]) else 2
+    debug = False
     try:
-        recipe.knob("DEBUG", env)  # a bad DEBUG is refused up front, like every knob
+        debug = recipe.knob("DEBUG", env)  # a bad DEBUG is refused up front, like every knob
         main()
     except Exception as error:  # noqa: BLE001 - every failure ends in one line
-        return report_failure(script, error, env)
+        line, code = failure_line(error)
+        if debug:
+            traceback.print_exception(error)
+        print(" ".join(f"{script}: {line}".splitlines()), file=sys.stderr)
+        return code
     return 0
 
 

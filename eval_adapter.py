@@ -178,11 +178,6 @@ class ResultsFile:
         self.doc["cells"] = merge_cells(self.doc["cells"], [cell])
         self.save()
 
-    def absorb(self, cells: Iterable[dict[str, Any]]) -> bytes:
-        """Merge cells another writer pushed, and return the document as it is to be committed."""
-        self.doc["cells"] = merge_cells(cells, self.doc["cells"])
-        return json.dumps(self.doc, indent=1, sort_keys=True).encode()
-
     def save(self) -> None:
         recipe.write_json(self.path, self.doc, indent=1, sort_keys=True)
 
@@ -301,7 +296,8 @@ def push_results(api: Any, repo_id: str, path_in_repo: str, results: ResultsFile
         if check is not None:
             check(head)
         remote = adapter_repo.read_json(api, repo_id, path_in_repo, revision=head) or {}
-        return {path_in_repo: results.absorb(remote.get("cells", []))}
+        results.doc["cells"] = merge_cells(remote.get("cells", []), results.doc["cells"])
+        return {path_in_repo: json.dumps(results.doc, indent=1, sort_keys=True).encode()}
 
     adapter_repo.commit_cas(api, repo_id, build, f"eval: {path_in_repo}")
 

@@ -127,7 +127,6 @@ def write(args: argparse.Namespace, api: Any, source: Path, out: Path) -> None:
 
 
 def parse_args(argv: list[str] | None, env: dict[str, str]) -> argparse.Namespace:
-    """Flags with environment-variable defaults."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--source", default=env.get("ADAPTER_REPO"),
                         help="training repo id or local folder (env ADAPTER_REPO)")

@@ -126,13 +126,11 @@ class HarborSessionFactory(ResourceSessionFactory[HarborRolloutSession]):
 
     _lock = threading.Lock()  # the class's, not an instance's: TRL pickles the factory into its spawned child
 
-    def __init__(self, env_url: str, *, split: str = "", llm_url: str = "", model: str = "", harness: str = "opencode",
-                 sandbox: str = recipe.SANDBOX, agent_timeout_sec: float = recipe.AGENT_TIMEOUT_SEC,
-                 agent_step_limit: int = recipe.AGENT_CALL_LIMIT, sampling: dict[str, Any] | None = None) -> None:
+    def __init__(self, env_url: str, *, split: str = "", sampling: dict[str, Any] | None = None,
+                 **session_kwargs: Any) -> None:
+        """`session_kwargs`: HarborRolloutSession's keywords (llm_url, model, sandbox, ...), its defaults otherwise."""
         self.env_url, self.split = env_url.rstrip("/"), split
-        self.session_kwargs = {"llm_url": llm_url, "model": model, "harness": harness, "sandbox": sandbox,
-                               "agent_timeout_sec": agent_timeout_sec, "agent_step_limit": agent_step_limit}
-        self.sampling = sampling
+        self.sampling, self.session_kwargs = sampling, session_kwargs
         self._tasks: list[dict[str, Any]] = []
 
     def tasks(self) -> list[dict[str, Any]]:

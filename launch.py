@@ -31,8 +31,6 @@ HERE = Path(__file__).resolve().parent
 PROJECT = "lfm-opencode-lora-rl"
 CODE_REPO_NAME = f"{PROJECT}-code"
 APP_DIR = "/app"
-# The recipe's own upload patterns (`hf upload --include`); Path.glob's * stays within one folder.
-BUNDLE_GLOBS = ("*.py", "*.sh", "*.md", "data/*.json")
 # The jobs' scripts and every module they import: a bundle that lacks one is a partial checkout.
 JOB_FILES = ("run_job.sh", "run_eval.sh", "run_eval_watch.sh", "recipe.py", "common.sh", "image_check.py",
              "prepare_tasks.py", "eval_adapter.py", "eval_watch.py", "harbor_sessions.py", "adapter_repo.py",
@@ -57,7 +55,6 @@ JOB_KNOBS: dict[str, tuple[str, ...]] = {
 }
 REDACTED = "<redacted>"
 TOKEN_OWNER = "<token owner>"
-PENDING_REVISION = "<commit of the uploaded bundle>"
 HF_CLI = "uvx hf"  # the Hub's CLI with nothing but uv
 
 
@@ -73,15 +70,6 @@ def check_hub_version(version: str) -> None:
                                  f"and {tomli_w})")
 
 
-def checked_repos(adapter_repo: str | None, code_repo: str | None) -> tuple[str, str]:
-    """Both repo ids well-formed and distinct; the code repo defaults to the adapter owner's namespace."""
-    adapter = recipe.require_repo_id(adapter_repo, "ADAPTER_REPO")
-    code = recipe.require_repo_id(code_repo or f"{adapter.split('/')[0]}/{CODE_REPO_NAME}", "CODE_REPO")
-    if code == adapter:
-        raise recipe.ConfigError(f"CODE_REPO and ADAPTER_REPO are both {adapter!r}: give the code bundle its own repo")
-    return adapter, code
-
-
 def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
     """A run's own repo beside ADAPTER_REPO (the smoke's, a short train's), away from the full run's watcher."""
     try:
@@ -93,9 +81,10 @@ def suffixed_repo(adapter_repo: str, suffix: str, why: str) -> str:
 
 
 def bundle_files(bundle: Path) -> list[str]:
-    """Relative paths of the files the job downloads to /app, sorted."""
-    return sorted({p.relative_to(bundle).as_posix() for pattern in BUNDLE_GLOBS for p in bundle.glob(pattern)
-                   if p.is_file()})
+    """Relative paths of the files the job downloads to /app, sorted: the recipe's own upload patterns (`hf upload
+    --include`; Path.glob's * stays within one folder)."""
+    return sorted({p.relative_to(bundle).as_posix() for pattern in ("*.py", "*.sh", "*.md", "data/*.json")
+                   for p in bundle.glob(pattern) if p.is_file()})
 
 
 def check_bundle(bundle: Path) -> list[str]:
@@ -169,13 +158,6 @@ def check_write_access(api: Any, mode: str, adapter_repo: str, code_repo: str, j
 
 
 # --- the job spec ---------------------------------------------------------------------------------------------------
-def job_command(code_repo: str, revision: str, script: str) -> list[str]:
-    """Download exactly the uploaded bundle commit to /app and run one script (the image has python3, no git)."""
-    hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
-    return ["bash", "-c", f"pip -q install {shlex.quote(hub)} && hf download {shlex.quote(code_repo)} --revision "
-                          f"{shlex.quote(revision)} --local-dir {APP_DIR} && bash {APP_DIR}/{script}"]
-
-
 def job_env(mode: str, adapter_repo: str, args: argparse.Namespace, env: dict[str, str]) -> dict[str, str]:
     """The job's environment (the rest is the bundle's recipe.py), each knob checked as the job's preflight will."""
     job = {"ADAPTER_REPO": adapter_repo}
@@ -254,8 +236,12 @@ def cost(mode: str, job: dict[str, str], timeout: str) -> dict[str, Any]:
 
 def job_spec(mode: str, code_repo: str, revision: str, env: dict[str, str], secrets: dict[str, str],
              timeout: str | None = None) -> dict[str, Any]:
-    """The keyword arguments of `run_job` (every job runs OpenCode in remote sandboxes: all expose /capture)."""
-    return {"image": recipe.VLLM_IMAGE, "command": job_command(code_repo, revision, MODES[mode]["script"]),
+    """The keyword arguments of `run_job`: download exactly the uploaded bundle commit to /app and run the mode's
+    script (the image has python3, no git); every job runs OpenCode in remote sandboxes: all expose /capture."""
+    hub = f"huggingface_hub{recipe.pinned_versions()['huggingface-hub']}"
+    command = ["bash", "-c", f"pip -q install {shlex.quote(hub)} && hf download {shlex.quote(code_repo)} --revision "
+               f"{shlex.quote(revision)} --local-dir {APP_DIR} && bash {APP_DIR}/{MODES[mode]['script']}"]
+    return {"image": recipe.VLLM_IMAGE, "command": command,
             "flavor": MODES[mode]["flavor"], "timeout": timeout or MODES[mode]["timeout"], "env": env,
             "secrets": secrets, "expose_public": [recipe.PUBLIC_PORT], "name": f"{PROJECT}-{mode}"}
 
@@ -322,14 +308,17 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
            hub_version: str, make_api: Callable[[str], Any]) -> dict[str, Any]:
     """Preflight, then (unless --dry-run) upload the bundle and start the job; return what was (or would be) done."""
     mode, bundle = args.mode, args.bundle_dir
-    recipe.knob("DEBUG", env)
     args.dry_run = recipe.knob("DRY_RUN", env) or args.dry_run  # checked even beside --dry-run: a typo is refused
     if not args.dry_run:
         check_hub_version(hub_version)
     token = env.get("HF_TOKEN", "").strip() or (stored_token() or "").strip()  # the Hub's auth-check judges it
     if not token:
         raise recipe.ConfigError("no Hugging Face token: export HF_TOKEN=hf_... (a write token) or run `hf auth login`")
-    adapter_repo, code_repo = checked_repos(args.adapter_repo, args.code_repo)
+    adapter_repo = recipe.require_repo_id(args.adapter_repo, "ADAPTER_REPO")  # the code repo: its owner's by default
+    code_repo = recipe.require_repo_id(args.code_repo or f"{adapter_repo.split('/')[0]}/{CODE_REPO_NAME}", "CODE_REPO")
+    if code_repo == adapter_repo:
+        raise recipe.ConfigError(f"CODE_REPO and ADAPTER_REPO are both {adapter_repo!r}: give the code bundle its own "
+                                 "repo")
     asked_repo = adapter_repo
     if mode == "smoke" or getattr(args, "smoke", False):
         adapter_repo = suffixed_repo(adapter_repo, ar.SMOKE_SUFFIX, "the smoke run pushes to")
@@ -358,7 +347,7 @@ def launch(args: argparse.Namespace, env: dict[str, str], *, stored_token: Calla
         said["smoke_plan"] = plan
     shown = dict.fromkeys(secrets, REDACTED)  # what is printed: never a secret's value
     if args.dry_run:
-        spec = job_spec(mode, code_repo, PENDING_REVISION, job_vars, shown, timeout)
+        spec = job_spec(mode, code_repo, "<commit of the uploaded bundle>", job_vars, shown, timeout)
         return {"job": spec, "upload": {"repo": code_repo, "files": files},
                 "dashboard": dashboard_info(job_vars, TOKEN_OWNER), **said}
     from huggingface_hub import CommitOperationAdd
@@ -394,20 +383,20 @@ def main(argv: list[str] | None = None, *, env: dict[str, str] | None = None,
 
     env = dict(os.environ if env is None else env)
     args = parse_args(argv, env)
-    try:
+
+    def run() -> None:
         done = launch(args, env, stored_token=stored_token or huggingface_hub.get_token,
                       hub_version=huggingface_hub.__version__,
                       make_api=make_api or (lambda token: huggingface_hub.HfApi(token=token)))
-    except Exception as err:  # noqa: BLE001 - one line: what failed, the likely cause, the fix (DEBUG=1: traceback)
-        return ar.report_failure("launch.py", err, env)
-    for note in done.get("notes", []):
-        print(f"launch.py: note: {note}", file=sys.stderr)
-    if args.dry_run:
-        print(json.dumps(done, indent=2))
-        return 0
-    print(f"uploaded {len(done['upload']['files'])} files to {done['upload']['repo']}@{done['upload']['revision']}")
-    print("\n".join(done["follow"]))
-    return 0
+        for note in done.get("notes", []):
+            print(f"launch.py: note: {note}", file=sys.stderr)
+        if args.dry_run:
+            print(json.dumps(done, indent=2))
+        else:
+            print(f"uploaded {len(done['upload']['files'])} files to {done['upload']['repo']}@"
+                  f"{done['upload']['revision']}\n" + "\n".join(done["follow"]))
+
+    return ar.run_cli("launch.py", run, env)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,4 @@
 #   ADAPTER_REPO=you/LFM2.5-2.6B-opencode-lora-RL N_TASKS=100 bash run_eval_watch.sh
 #   DRY_RUN=1 ADAPTER_REPO=you/x HF_TOKEN=x JOB_ID=abc bash run_eval_watch.sh    # print the plan only
 set -euo pipefail
-
-main() {
-  EVAL_MODE=watch exec bash "$(dirname "${BASH_SOURCE[0]}")/run_eval.sh" "$@"
-}
-
-main "$@"
+EVAL_MODE=watch exec bash "$(dirname "${BASH_SOURCE[0]}")/run_eval.sh" "$@"

@@ -23,15 +23,11 @@ class CheckpointPusher(TrainerCallback):
     """Pushes each saved checkpoint-N/ to the adapter repo and, in the same commit, the work folder's records under
     logs/<job>/ and the rebuilt trajectory page: what a crashed or finished run leaves to read."""
 
-    def __init__(self, api: Any, repo_id: str, work_dir: str | Path | None = None, job: str = "job",
-                 **push_kwargs: Any) -> None:
-        self.api, self.repo_id, self.push_kwargs = api, repo_id, push_kwargs
-        self.work, self.logs = (Path(work_dir) if work_dir else None), f"{adapter_repo.LOGS_DIR}/{job}"
+    def __init__(self, api: Any, repo_id: str, work_dir: str | Path, job: str) -> None:
+        self.api, self.repo_id, self.work, self.logs = api, repo_id, Path(work_dir), f"{adapter_repo.LOGS_DIR}/{job}"
 
     def records(self, folder: str) -> dict[str, Path | bytes]:
         """{repo path: file} of the work folder's records, this checkpoint's trajectory sample and the page."""
-        if self.work is None:
-            return {}
         names = [recipe.TRAIN_LOG_NAME, recipe.LEDGER_NAME, recipe.ROLLOUT_LOG_NAME]
         found = [self.work / n for n in names] + recipe.kept_ledgers(self.work)
         also: dict[str, Path | bytes] = {f"{self.logs}/{p.name}": p for p in found if p.is_file()}
@@ -52,7 +48,7 @@ class CheckpointPusher(TrainerCallback):
             return
         folder = adapter_repo.checkpoint_name(state.global_step)
         adapter_repo.push_folder(self.api, self.repo_id, Path(args.output_dir) / folder, folder, marker=True,
-                                 also=self.records(folder), **self.push_kwargs)
+                                 also=self.records(folder))
 
 
 class Heartbeat(TrainerCallback):

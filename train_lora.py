@@ -93,14 +93,12 @@ def build_trainer(settings: Settings, *, factory: Callable[..., Any] | None = No
 
 # --- 2. Rollout worker: tasks, tokenizer, sessions --------------------------------------------------------------------
 def session_factory(settings: Settings) -> functools.partial:
-    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py), rebuilt in TRL's spawned rollout child.
-    The capture proxy enforces the call budget (`agent_step_limit`): TRL's own never reaches a loop-owning agent."""
+    """A picklable factory of OpenEnv Harbor sessions (harbor_sessions.py: OpenCode, the recipe's agent timeout and
+    call budget, which the capture proxy enforces; TRL's never reaches a loop-owning agent), rebuilt in TRL's child."""
     from harbor_sessions import HarborSessionFactory
 
-    return functools.partial(
-        HarborSessionFactory, settings.env_url, split=settings.train_split, llm_url=settings.vllm_url,
-        model=settings.served_model_name, harness="opencode", sandbox=settings.sandbox,
-        agent_timeout_sec=float(recipe.AGENT_TIMEOUT_SEC), agent_step_limit=recipe.AGENT_CALL_LIMIT)
+    return functools.partial(HarborSessionFactory, settings.env_url, split=settings.train_split,
+                             llm_url=settings.vllm_url, model=settings.served_model_name, sandbox=settings.sandbox)
 
 
 def train_dataset(factory: Callable[..., Any], task_data: str | Path) -> Dataset:
@@ -191,12 +189,11 @@ def callbacks(settings: Settings, api: Any, resumed_from: int | None) -> list[Tr
     """The heartbeat, the checkpoint push (with the work folder's logs), train_log.json, and the smoke's early stop."""
     import train_callbacks
 
-    stop = [train_callbacks.StopAfterStep(settings.stop_after_step)] if settings.stop_after_step else []
     return [train_callbacks.Heartbeat(settings.heartbeat_file),
             train_callbacks.CheckpointPusher(api, settings.adapter_repo, Path(settings.heartbeat_file).parent,
                                              dashboard.job_id(os.environ)),
             train_callbacks.RunLog(recipe.work_file(settings.heartbeat_file, recipe.TRAIN_LOG_NAME), resumed_from),
-            *stop]
+            *([train_callbacks.StopAfterStep(settings.stop_after_step)] if settings.stop_after_step else [])]
 
 
 # --- Settings ---------------------------------------------------------------------------------------------------------
@@ -357,9 +354,7 @@ def disk_full(folder: str) -> str | None:
     """Why the trainer failed, if the disk holding `folder` is full: measured, since torch.save's own error on a full
     disk never says so (`[enforce fail at inline_container.cc:672] . unexpected pos`, no ENOSPC in its chain)."""
     path = Path(folder).absolute()
-    while not path.exists():
-        path = path.parent
-    usage = shutil.disk_usage(path)
+    usage = shutil.disk_usage(next(p for p in (path, *path.parents) if p.exists()))
     if usage.free >= 2**30:  # a checkpoint (adapter + optimizer state) is ~0.5 GB: under twice that, the disk is full
         return None
     return (f"the disk holding {folder} is full ({usage.free / 2**20:.1f} MB free of {usage.total / 2**20:.0f} MB): "

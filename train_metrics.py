@@ -82,17 +82,6 @@ def _versioned(collate: Callable[[list[Any]], dict[str, Any]], examples: list[An
     return {**collate(examples), VERSION: torch.tensor(versions)}
 
 
-class _Seen:
-    """The model as TRL's compute_loss calls it, keeping the outputs (the per-token log-probs) for the step's stats."""
-
-    def __init__(self, model: Any) -> None:
-        self.model, self.outputs = model, None
-
-    def __call__(self, **kwargs: Any) -> Any:
-        self.outputs = self.model(**kwargs)
-        return self.outputs
-
-
 class StepObjective:
     """Mixed in before an AsyncGRPOTrainer class (train_lora.trainer_class): the token-level step and its metrics."""
 
@@ -118,11 +107,14 @@ class StepObjective:
 
     def compute_loss(self, model: Any, inputs: dict[str, Any], return_outputs: bool = False,
                      num_items_in_batch: Any = None) -> Any:
-        version = inputs.pop(VERSION, None)
-        seen = _Seen(model)
-        loss = super().compute_loss(seen, inputs, return_outputs, num_items_in_batch)
+        version, seen = inputs.pop(VERSION, None), []  # TRL's forward outputs: the per-token log-probs
+        hook = model.register_forward_hook(lambda _module, _args, outputs: seen.append(outputs))
+        try:
+            loss = super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
+        finally:
+            hook.remove()
         with torch.no_grad():
-            self._row_stats(inputs, seen.outputs.log_probs[0].float(), version)
+            self._row_stats(inputs, seen[-1].log_probs[0].float(), version)
         return loss
 
     def _row_stats(self, inputs: dict[str, Any], log_probs: torch.Tensor, version: torch.Tensor | None) -> None:

@@ -16,24 +16,13 @@ import recipe
 from recipe import CONSUMED_AHEAD, ROLLOUT_STATE
 from train_metrics import RecipeRolloutLoop
 
-EMPTY_GROUPS_FILE = "empty_groups.json"  # in the output folder: groups of this start that scored to no sample
-
-
-def next_position(start: int, consumed: Iterable[int]) -> dict[str, Any]:
-    """The resume position after the groups `consumed` (offsets from `start`, the prompt index this start began at):
-    `prompt_index` of the lowest group not consumed, and CONSUMED_AHEAD, the consumed ones past it."""
-    done = set(consumed)
-    first = next(g for g in itertools.count() if g not in done)
-    return {"prompt_index": start + first, CONSUMED_AHEAD: sorted(g - first for g in done if g > first)}
-
 
 class PositionedRolloutLoop(RecipeRolloutLoop):
     """The recipe's rollout loop, resuming after every consumed group and reporting the ones that scored to nothing."""
 
-    def __init__(self, *, consumed_ahead: Iterable[int] = (), empty_groups_file: str = "",
-                 dataset_start_index: int = 0, **kwargs: Any) -> None:
-        super().__init__(dataset_start_index=dataset_start_index, **kwargs)
-        self._start, self._skip = dataset_start_index, frozenset(consumed_ahead)
+    def __init__(self, *, consumed_ahead: Iterable[int] = (), empty_groups_file: str = "", **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._start, self._skip = kwargs.get("dataset_start_index", 0), frozenset(consumed_ahead)
         self._empty_file = Path(empty_groups_file) if empty_groups_file else None
         self._empty: set[int] = set()
 
@@ -83,7 +72,7 @@ class ResumePosition:
         """Before TRL's own resume reads `prompt_index`: forget the last start's groups, read CONSUMED_AHEAD from
         the checkpoint, and pass it and a fresh empty-groups file to the rollout child (started on train begin)."""
         self._taken, self._skipped = set(), frozenset()
-        self._empty_file = Path(self.args.output_dir) / EMPTY_GROUPS_FILE
+        self._empty_file = Path(self.args.output_dir) / "empty_groups.json"  # this start's groups scored to nothing
         if not isinstance(self.rollout_worker, AsyncRolloutWorker):  # TRL's own test: a worker with a position
             return
         saved = recipe.read_json(Path(resume_from_checkpoint) / ROLLOUT_STATE) if resume_from_checkpoint else None
@@ -102,13 +91,16 @@ class ResumePosition:
         return super().get_train_dataloader()
 
     def _save_checkpoint(self, model: Any, trial: Any) -> None:
-        """TRL's checkpoint, then its `rollout_state.json` rewritten with this start's consumed groups."""
+        """TRL's checkpoint, then its `rollout_state.json` rewritten with this start's consumed groups (offsets from the
+        prompt index it began at): `prompt_index` of the lowest group not consumed, CONSUMED_AHEAD those past it."""
         super()._save_checkpoint(model, trial)
         if not (self.accelerator.is_main_process and isinstance(self.rollout_worker, AsyncRolloutWorker)):
             return
         folder = Path(self._get_output_dir(trial=trial)) / f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}"
-        state_file = folder / ROLLOUT_STATE
         consumed = self._taken | self._skipped | set(recipe.read_json(self._empty_file) or [])
-        start = self.rollout_worker._loop_kwargs["dataset_start_index"]
-        recipe.write_json(state_file, {**json.loads(state_file.read_text()), **next_position(start, consumed)})
+        first = next(g for g in itertools.count() if g not in consumed)
+        recipe.write_json(folder / ROLLOUT_STATE, {
+            **json.loads((folder / ROLLOUT_STATE).read_text()),
+            "prompt_index": self.rollout_worker._loop_kwargs["dataset_start_index"] + first,
+            CONSUMED_AHEAD: sorted(g - first for g in consumed if g > first)})
 

@@ -64,8 +64,11 @@ class Ledger:
             if state["stopped"]:
                 raise SystematicRolloutFailure(state["stopped"])
             state["rollouts"] += 1
-            if timing:
-                self._add_timing(timing)
+            if timing:  # the slowest rollout's seconds per Harbor part, and its setup (every part but the agent's run)
+                state["timing"]["count"] += 1
+                setup = setup_seconds(timing)
+                for key, seconds in [*timing.items(), *([(SETUP_KEY, setup)] if setup is not None else [])]:
+                    state["timing"]["max"][key] = max(state["timing"]["max"].get(key, seconds), seconds)
             state["timed_out"] += timed_out
             ends = {**dict.fromkeys(ENDS, 0), **(ends or {})}
             for key, counter in ENDS.items():
@@ -101,14 +104,6 @@ class Ledger:
             recipe.write_json(self.path, state)
             if state["stopped"]:
                 raise SystematicRolloutFailure(state["stopped"])
-
-    def _add_timing(self, timing: Mapping[str, float]) -> None:
-        """The slowest rollout's seconds per Harbor part, and its setup (every part but the agent's run)."""
-        aggregate = self.state["timing"]
-        aggregate["count"] += 1
-        setup = setup_seconds(timing)
-        for key, seconds in [*timing.items(), *([(SETUP_KEY, setup)] if setup is not None else [])]:
-            aggregate["max"][key] = max(aggregate["max"].get(key, seconds), seconds)
 
     @staticmethod
     def _stop_line(what: str, classes: list[str], failure: str | None, error: str) -> str:

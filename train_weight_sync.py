@@ -104,9 +104,7 @@ class MergeFreeAsyncGRPOTrainer(AsyncGRPOTrainer):
     def _merge_free_iter(self) -> Iterator[tuple[str, torch.Tensor]]:
         """The stream, with an event on this thread's stream: TRL's NCCL producer consumes it in another thread."""
         device = self.accelerator.device
-        ready = torch.cuda.Event() if device.type == "cuda" else None
-        if ready is not None:
-            ready.record(torch.cuda.current_stream(device))
+        ready = torch.cuda.current_stream(device).record_event() if device.type == "cuda" else None
         return merge_free_named_tensors(self.accelerator.unwrap_model(self.model), self.sync_dtype, device, ready)
 
     def _sync_weight_merged(self, t0: float) -> tuple[float, float, float]:

@@ -251,7 +251,10 @@ def wrapped(error: Exception) -> Exception:
     (KeyError("global_step"), 1, "unexpected KeyError: 'global_step': rerun with DEBUG=1 for the full traceback"),
 ])
 def test_every_failure_is_one_line_with_its_exit_code(capsys, error, code, line):
-    assert ar.report_failure("x.py", error, {}) == code
+    def main() -> None:
+        raise error
+
+    assert ar.run_cli("x.py", main, {}) == code
     out, err = capsys.readouterr()
     assert out == "" and err.startswith(f"x.py: {line}") and err.count("\n") == 1
 

@@ -353,16 +353,16 @@ def test_session_factory_builds_harbor_sessions_that_trl_can_train_after_pickle(
     factory = pickle.loads(pickle.dumps(train_lora.session_factory(settings)))
     built = factory(sampling={"temperature": 1.0})  # what TRL's spawned rollout child does
     assert isinstance(built, harbor_sessions.HarborSessionFactory) and built.env_url == "http://127.0.0.1:9001"
-    assert built.session_kwargs["harness"] == "opencode" and built.session_kwargs["sandbox"] == "hf-sandbox"
-    assert built.session_kwargs["llm_url"] == settings.vllm_url
-    assert built.session_kwargs["model"] == recipe.SERVED_MODEL_NAME
-    # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.
-    assert built.session_kwargs["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
-    assert built.session_kwargs["agent_timeout_sec"] == recipe.AGENT_TIMEOUT_SEC
     assert TOKEN not in pickle.dumps(factory).decode("latin-1")
     built._tasks = [{"index": 3, "task_name": "t3", "instruction": "Say 4.2."}]  # as tasks() fills it
     session = pickle.loads(pickle.dumps(built)).create([{"role": "user", "content": "Say 4.2.\n"}])
     assert isinstance(session, TrainableSession)  # TRL's loop-owning path refuses anything else
+    call = session.call  # what the env server's run_rollout gets
+    assert call["harness"] == "opencode" and call["sandbox"] == "hf-sandbox" and call["purpose"] == "train"
+    assert call["llm_url"] == settings.vllm_url and call["model"] == recipe.SERVED_MODEL_NAME
+    # The proxy counts OpenCode's title call too: the agent itself still gets the recipe's 32 calls.
+    assert call["agent_step_limit"] == recipe.MAX_TOOL_CALLING_ITERATIONS + 1
+    assert call["agent_timeout_sec"] == recipe.AGENT_TIMEOUT_SEC
     assert (session.task_index, session.call["purpose"], session.call["sampling"]) == (3, "train", {"temperature": 1.0})
 
 
@@ -447,7 +447,7 @@ def test_on_save_pushes_the_saved_folder_and_a_failed_push_stops_training(tmp_pa
     hub.create_repo(REPO)
     fake_checkpoint(tmp_path / "out" / "checkpoint-7", 7)
     args = SimpleNamespace(output_dir=str(tmp_path / "out"))
-    pusher = train_callbacks.CheckpointPusher(hub, REPO)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO, tmp_path / "work", "job")
     pusher.on_save(args, TrainerState(global_step=7, is_world_process_zero=False), None)
     assert hub.commits == []  # Only the main process pushes.
     hub.fail_uploads = recipe.PUSH_RETRIES
@@ -468,7 +468,7 @@ def test_a_permanent_push_error_stops_at_once_with_one_line(tmp_path, status, mo
     hub.fail_uploads, hub.fail_status = 1, status
     waits: list[float] = []
     monkeypatch.setattr(time, "sleep", waits.append)
-    pusher = train_callbacks.CheckpointPusher(hub, REPO)
+    pusher = train_callbacks.CheckpointPusher(hub, REPO, tmp_path / "work", "job")
     with pytest.raises(RuntimeError) as caught:
         pusher.on_save(SimpleNamespace(output_dir=str(tmp_path / "out")), TrainerState(global_step=7), None)
     message = str(caught.value)
