@@ -188,23 +188,20 @@ def test_server_refuses_truncated_sampling_and_unknown_models_as_vllm_would(serv
     assert too_long["status"] == 400 and "maximum context length" in too_long["error"]["message"]
 
 
-def test_sync_check_passes_a_real_sync_and_fails_one_that_sends_nothing_or_the_base(vllm, tmp_path, capsys) -> None:
+def test_sync_check_passes_a_real_sync_and_fails_one_that_sends_nothing_or_the_base(vllm, tmp_path) -> None:
     """TRL's WeightTransferClient into the engine (vLLM's NCCL engine on gloo), three rounds, each then checked: the
     merge-free stream passes; a round that sends nothing and one that sends the base weights fail, each by about how
-    far the trainer's policy was from what the engine was left serving. sync_check.py's own main, in this process
-    (it has imported the trainer's side already, through rehearse: a second Python would import it all again)."""
-    from engine import sync_check
-
-    status = sync_check.main(["--vllm-url", vllm.url, "--model", str(vllm.model),
-                              "--json", str(tmp_path / "syncs.json")])
-    out = capsys.readouterr().out
-    print(out)
-    assert status == 0, out[-2000:]
+    far the trainer's policy was from what the engine was left serving."""
+    out = subprocess.run([sys.executable, str(Path(engine.__file__).parent / "sync_check.py"), "--vllm-url", vllm.url,
+                          "--model", str(vllm.model), "--json", str(tmp_path / "syncs.json")],
+                         capture_output=True, text=True, timeout=300)
+    print(out.stdout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     real, nothing, base = json.loads((tmp_path / "syncs.json").read_text()).values()
     assert real["ok"] and real["served_vs_policy"] <= TOLERANCE < real["from_base"]
     assert not nothing["ok"] and nothing["served_vs_policy"] == pytest.approx(nothing["moved"], abs=TOLERANCE)
     assert not base["ok"] and base["served_vs_policy"] == pytest.approx(base["from_base"], abs=TOLERANCE)
-    assert "sends nothing" in out and "FAIL" in out
+    assert "sends nothing" in out.stdout and "FAIL" in out.stdout
 
 
 def test_sessions_run_the_agent_through_the_real_capture_proxy(vllm: engine.Engine, tmp_path: Path) -> None:

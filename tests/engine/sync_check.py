@@ -11,8 +11,7 @@ sync that sent the base weights). A sync is checked with power only where those 
 starts an engine in training mode (tests/engine.Engine) on a tiny LFM2, gives a PEFT copy of it a LoRA, and syncs it
 through TRL 1.15's own WeightTransferClient (vLLM's NCCL engine, on the gloo stand-in) three ways: the merge-free
 stream (train_weight_sync, as the trainer sends it), a round that sends nothing, and one that sends the base.
-`--json FILE` writes the three records. tests/test_rehearsal.py runs `main` in its own process on its engine
-(`--vllm-url`): that process has imported the trainer's side already.
+`--json FILE` writes the three records. tests/test_rehearsal.py runs it on its engine (`--vllm-url`).
 """
 
 from __future__ import annotations
