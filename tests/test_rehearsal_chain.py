@@ -114,9 +114,10 @@ def vllm(tmp_path):
 
 
 def assert_synced(syncs: list[dict], steps: list[int]) -> None:
-    """The engine served the trainer's policy after each of these syncs (the cold one at the start, then one a step)."""
+    """The engine served the trainer's policy after each of these syncs (the cold one at the start, then one a step),
+    by the sync check's own verdict (tests/engine/sync_check.py: bf16's error grows with the step's move)."""
     assert [sync["step"] for sync in syncs] == steps
-    assert all(sync["ok"] and sync["served_vs_policy"] <= TOLERANCE for sync in syncs), syncs
+    assert all(sync["ok"] for sync in syncs), syncs
 
 
 def test_real_chain_rehearsal_is_killed_after_checkpoint_1_and_resumes_for_step_2(vllm):
