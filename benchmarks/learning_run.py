@@ -55,7 +55,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, help="the run's folder, kept (default: a new temp folder)")
     parser.add_argument("--steps", type=int, help=f"optimizer steps (default {STEPS}; --quick {QUICK['steps']})")
     parser.add_argument("--group", type=int, help=f"rollouts a group (default {GROUP}; --quick {QUICK['group']})")
-    parser.add_argument("--lr", type=float, default=LR)
+    parser.add_argument("--lr", type=float, default=LR, help=f"learning rate (default {LR}; --quick: the rehearsal's)")
     parser.add_argument("--eval-tasks", type=int, default=EVAL_TASKS)
     parser.add_argument("--no-sync", action="store_true", help="negative control: the engine keeps the base weights")
     parser.add_argument("--quick", action="store_true",
@@ -64,10 +64,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--vllm-url", help="an engine in training mode already serving WORKDIR/model (with --quick)")
     parser.add_argument("--eval-only", action="store_true", help="the eval of a trained --workdir (after a crash)")
     args = parser.parse_args(argv)
-    if args.quick:  # the rehearsal's learning rate: the suite's check is that the path runs, not that it learns
-        from rehearse import REHEARSAL_LR
-
-        args.lr = REHEARSAL_LR
+    if args.quick:  # None: rehearse.py's REHEARSAL_LR; the suite's check is that the path runs, not that it learns
+        args.lr = None
     defaults = QUICK if args.quick else {"steps": STEPS, "group": GROUP}
     args.steps, args.group = args.steps or defaults["steps"], args.group or defaults["group"]
     if args.vllm_url and not (args.quick and args.workdir):
@@ -80,24 +78,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def prepare(workdir: Path, eval_tasks: int) -> None:
     """The fixture's tasks (the rehearsal's train tasks and `eval_tasks` held-out ones) and the agent policy's copy,
     where rehearse.py --real-chain looks for them."""
-    from agent_policy import agent_model
-    from harbor_fixture import materialized
-    from rehearse import CHAIN_TASKS
-
     if not (workdir / "fixture" / "tasks" / "train").is_dir():
+        from harbor_fixture import materialized
+        from rehearse import CHAIN_TASKS
+
         materialized(workdir / "fixture", **{**CHAIN_TASKS, "n_test": eval_tasks})
     if not (workdir / "model" / "config.json").is_file():
+        from agent_policy import agent_model
+
         shutil.copytree(agent_model(), workdir / "model")
 
 
 def train(args: argparse.Namespace, workdir: Path) -> tuple[int, dict[str, Any], str]:
-    """rehearse.py --real-chain for the run's steps, in its own process group; its exit status, report and output."""
-    from rehearse import run_apart
+    """rehearse.py --real-chain for the run's steps, in its own process group; its exit status, report and output.
+    Not imported: its trainer's imports cost a --quick run 9 CPU-seconds in this process (measured in the suite)."""
+    from stubs.procs import run_apart
 
     extra = ["--real-chain", "--max-steps", str(args.steps), "--save-steps", str(args.steps),
-             "--group", str(args.group), "--lr", repr(args.lr), *(["--no-sync"] if args.no_sync else []),
-             *(["--vllm-url", args.vllm_url] if args.vllm_url else [])]
-    done = run_apart(workdir, *extra, env={}, timeout=args.steps * 600 + 900)
+             "--group", str(args.group), *(["--lr", repr(args.lr)] if args.lr is not None else []),
+             *(["--no-sync"] if args.no_sync else []), *(["--vllm-url", args.vllm_url] if args.vllm_url else [])]
+    done = run_apart(ROOT / "tests" / "rehearsal" / "rehearse.py", workdir, *extra, env={},
+                     timeout=args.steps * 600 + 900)
     report = workdir / "report.json"
     return done.returncode, json.loads(report.read_text()) if report.is_file() else {}, done.stdout
 
@@ -210,7 +211,8 @@ def main(argv: list[str] | None = None) -> int:
     first, last = quarters(rewards)
     forks = [r["fork_frac"] for r in rows if r["fork_frac"] is not None]
     trained_s = time.monotonic() - began
-    print(f"learning: trained {args.steps} steps of {args.group} rollouts at lr {args.lr:g}"
+    lr = args.lr if args.lr is not None else next(iter(report.get("logs", {}).values()), {}).get("learning_rate")
+    print(f"learning: trained {args.steps} steps of {args.group} rollouts at lr {lr:g}"
           f"{' WITHOUT syncing the engine (--no-sync)' if args.no_sync else ''} in {trained_s:.0f} s; "
           f"rollout/fork_frac mean {statistics.fmean(forks) if forks else float('nan'):.3f} over {len(forks)} steps")
     if args.quick:

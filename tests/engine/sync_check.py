@@ -40,10 +40,12 @@ TOLERANCE = 0.02
 # The same for the tiny agent policy (tests/agent_policy.py), which the real-chain rehearsal serves: trained, its logits
 # are peaked (a probe token's logprob is about -12, down to -15), where bf16 errs more: transformers' own bf16 forward
 # against fp32 differs by up to 0.062 on the probe (mean 0.019), the engine's cold sync by 0.054. A step at the
-# rehearsal's learning rate moves it by far more (the step tables show `moved`). The gap grows with the distance the
-# policy moved from where it was trained: 0.245 and 0.318 after steps that moved it by 12.8 and 11.8, so 0.5; a sync
-# that sent nothing or the base was 2.4-8.0 away on the real chain.
-AGENT_TOLERANCE = 0.5
+# rehearsal's learning rate mostly moves it by far more (the step tables show `moved`), but a step with a small gradient
+# moved it 0.40-0.44, under the 0.5 this was: a run whose other two groups had no contrast then had no check with the
+# power to fail (a test run failed so). Served vs policy after a move of 3.4 or less: 0.04-0.11; the gap grows with the
+# move (0.25-0.32 after 12, 0.85 after 9.1), which RELATIVE covers. A sync that sent nothing or the base was 1.1-8.1
+# away on the real chain.
+AGENT_TOLERANCE = 0.2
 RELATIVE = 0.25  # or within this share of the distance a broken sync would leave (moved, from_base)
 PROBE_LEN = 256
 

@@ -79,6 +79,7 @@ from fake_sessions import write_task_list  # noqa: E402
 from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
 from sessions import FAULTS, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
+from stubs import procs  # noqa: E402
 from stubs.procs import free_port  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
@@ -283,21 +284,9 @@ def chain_tasks(workdir: Path) -> tuple[Path, Path, list[str]]:
     return fixture / "tasks", fixture / "data", names
 
 
-def run_apart(workdir: Path, *extra: str, env: dict[str, str], timeout: int) -> subprocess.CompletedProcess:
-    """Run this script (for a test) in its own process group with `env` added and JOB_ID named after the workdir's
-    parent, and reap the whole group whatever happens: a start killed on purpose leaves no process behind."""
-    process = subprocess.Popen([sys.executable, __file__, "--workdir", str(workdir), *extra],
-                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
-                               env={**os.environ, "JOB_ID": workdir.parent.name, **env})
-    try:
-        out, _ = process.communicate(timeout=timeout)
-    finally:
-        try:
-            os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        process.wait()
-    return subprocess.CompletedProcess(process.args, process.returncode, out)
+# A rehearsal started apart (for a test): its own process group, reaped whatever happens, JOB_ID after the workdir's
+# parent (tests/stubs/procs.py).
+run_apart = functools.partial(procs.run_apart, Path(__file__))
 
 
 # The step table's metric columns beyond reward, loss and ratio (train_metrics and train_rollouts; docs/training.md

@@ -7,8 +7,10 @@ import os
 import signal
 import socket
 import subprocess
+import sys
 import time
 import urllib.request
+from pathlib import Path
 
 
 def free_port() -> int:
@@ -69,3 +71,21 @@ def stop(proc: subprocess.Popen) -> None:
             proc.wait(timeout=5)
         except ProcessLookupError:
             pass
+
+
+def run_apart(script: Path, workdir: Path, *extra: str, env: dict[str, str],
+              timeout: float) -> subprocess.CompletedProcess:
+    """Run `script --workdir WORKDIR EXTRA...` (for a test) in its own process group with `env` added and JOB_ID named
+    after the workdir's parent, and reap the whole group whatever happens: a run killed on purpose leaves no process
+    behind. Its output, captured."""
+    process = subprocess.Popen([sys.executable, str(script), "--workdir", str(workdir), *extra], stdout=subprocess.PIPE,
+                               stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                               env={**os.environ, "JOB_ID": workdir.parent.name, **env})
+    try:
+        out, _ = process.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+    return subprocess.CompletedProcess(process.args, process.returncode, out)
+
