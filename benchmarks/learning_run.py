@@ -91,7 +91,7 @@ def prepare(workdir: Path, eval_tasks: int) -> None:
 
 def train(args: argparse.Namespace, workdir: Path) -> tuple[int, dict[str, Any], str]:
     """rehearse.py --real-chain for the run's steps, in its own process group; its exit status, report and output.
-    Not imported: its trainer's imports cost a --quick run 9 CPU-seconds in this process (measured in the suite)."""
+    Not imported: its trainer's imports cost a --quick run 11 CPU-seconds in this process (benchmarks/LOG.md)."""
     from stubs.procs import run_apart
 
     extra = ["--real-chain", "--max-steps", str(args.steps), "--save-steps", str(args.steps),

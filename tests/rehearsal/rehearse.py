@@ -80,7 +80,6 @@ from harbor_fixture import BUCKET, materialized  # noqa: E402
 from hub_double import LocalHub  # noqa: E402
 from sessions import FAULTS, ScriptedAgentSessionFactory, make_tasks  # noqa: E402
 from stubs import procs  # noqa: E402
-from stubs.procs import free_port  # noqa: E402
 from transformers import TrainerCallback, TrainerControl, TrainerState, TrainingArguments  # noqa: E402
 from trl_cpu_shims import cpu_trainer_shims  # noqa: E402
 
@@ -234,7 +233,7 @@ def watch_trainer(log: StepLog, check: SyncCheck, sync: bool = True) -> None:
 
 def start_capture_proxy(llm_url: str, log_file: Path) -> tuple[subprocess.Popen, str]:
     """Launch the real OpenEnv capture proxy CLI on loopback (it probes vLLM before serving)."""
-    port = free_port()
+    port = procs.free_port()
     command = [sys.executable, "-m", "openenv.core.harness.capture.server", "--llm-url", llm_url,
                "--model", recipe.SERVED_MODEL_NAME, "--host", recipe.LOOPBACK, "--port", str(port)]
     with log_file.open("ab") as log:
