@@ -224,3 +224,41 @@ def test_vllm_would_also_apply_a_plain_out_proj_target_to_the_convs(lora):
 
 def test_rank_above_max_lora_rank_is_refused(lora):
     assert lora["adapters"][2].get("error") == f"LoRA rank 64 is greater than max_lora_rank {recipe.LORA_R}."
+
+
+# --- the CPU engine's kernels, as the test-only plugin leaves vLLM to choose them ----------------------------
+
+KERNELS = """
+import json, torch, cpu_engine_plugin
+cpu_engine_plugin.register()
+from vllm.platforms import current_platform
+current_platform.import_kernels()
+from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+torch.manual_seed(0)
+linear, conv, x = torch.nn.Linear(128, 256, bias=False).bfloat16(), torch.nn.Conv1d(128, 128, 3, groups=128), torch.randn(
+    5, 128).bfloat16()
+want = torch.nn.functional.linear(x, linear.weight).float()
+dispatch_cpu_unquantized_gemm(linear, remove_weight=False)
+conv.weight.data = conv.weight.data.bfloat16()
+dispatch_cpu_unquantized_gemm(conv, remove_weight=False)
+got = linear.cpu_linear(x, linear.weight, None).float()
+print(json.dumps({"gemm_error": (got - want).abs().max().item(), "conv_weight": list(conv.weight.shape)}))
+"""
+
+
+def test_the_engines_cpu_kernels_are_all_in_the_library_vllm_loads_and_keep_the_conv_width():
+    """The engine's plugin (tests/engine/site/cpu_engine_plugin.py) describes a CPU to vLLM: vLLM picks its kernel
+    library by that description (`import_kernels`), then each layer's kernel by it too (`dispatch_cpu_unquantized_gemm`).
+    Both must agree on every CPU the suite meets: a linear layer computes what torch's does (on an AMX CPU, a plugin
+    that hid AVX512-BF16 alone made vLLM load the AVX512 library and then call an AMX op it lacks), and LFM2's
+    short-conv weight keeps its width 3 (not prepacked for the width-4-only kernel)."""
+    import engine
+
+    engine.require()
+    paths = (engine.SITE, *engine.VLLM_PATHS, Path(__file__).parent)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths)), "VLLM_TARGET_DEVICE": "cpu"}
+    out = subprocess.run([sys.executable, "-c", KERNELS], capture_output=True, text=True, env=env, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["conv_weight"] == [128, 1, 3]
+    assert result["gemm_error"] < 0.1, result

@@ -7,7 +7,10 @@ rule, because it is vLLM's own extension point: it runs exactly in vLLM's proces
 
 1. `torch.cpu._is_avx512_bf16_supported()` answers False. On a CPU with AVX512-BF16, vLLM prepacks every short-conv
    weight with `causal_conv1d_weight_pack`, a kernel that takes width 4 only, and LFM2's conv width
-   (`conv_L_cache`) is 3; answering False keeps vLLM on its generic CPU conv path at the model's real width.
+   (`conv_L_cache`) is 3; answering False keeps vLLM on its generic CPU conv path at the model's real width. AMX
+   answers False too: every AMX CPU has AVX512-BF16, and vLLM loads its AVX512 kernel library for a CPU without it,
+   which lacks the AMX kernels vLLM would then call for small bf16 linear layers (seen on a Sapphire Rapids-class
+   machine: `_C` has no `convert_weight_packed`).
 2. NCCL weight transfer, on gloo. `transport()` replaces, in vLLM's `nccl_common` and `packed_tensor` modules, only
    what needs a GPU: the communicator (`stateless_init_process_group` builds a `GlooCommunicator` on vLLM's own
    `StatelessProcessGroup` rendezvous instead of a `PyNcclCommunicator`), the CUDA streams the packed broadcast
@@ -88,5 +91,5 @@ def transport() -> None:
 def register() -> None:
     import torch
 
-    torch.cpu._is_avx512_bf16_supported = lambda: False
+    torch.cpu._is_avx512_bf16_supported = torch.cpu._is_amx_tile_supported = lambda: False
     transport()
