@@ -235,8 +235,8 @@ from vllm.platforms import current_platform
 current_platform.import_kernels()
 from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
 torch.manual_seed(0)
-linear, conv, x = torch.nn.Linear(128, 256, bias=False).bfloat16(), torch.nn.Conv1d(128, 128, 3, groups=128), torch.randn(
-    5, 128).bfloat16()
+linear, conv = torch.nn.Linear(128, 256, bias=False).bfloat16(), torch.nn.Conv1d(128, 128, 3, groups=128)
+x = torch.randn(5, 128).bfloat16()
 want = torch.nn.functional.linear(x, linear.weight).float()
 dispatch_cpu_unquantized_gemm(linear, remove_weight=False)
 conv.weight.data = conv.weight.data.bfloat16()
@@ -247,10 +247,10 @@ print(json.dumps({"gemm_error": (got - want).abs().max().item(), "conv_weight": 
 
 
 def test_the_engines_cpu_kernels_are_all_in_the_library_vllm_loads_and_keep_the_conv_width():
-    """The engine's plugin (tests/engine/site/cpu_engine_plugin.py) describes a CPU to vLLM: vLLM picks its kernel
-    library by that description (`import_kernels`), then each layer's kernel by it too (`dispatch_cpu_unquantized_gemm`).
-    Both must agree on every CPU the suite meets: a linear layer computes what torch's does (on an AMX CPU, a plugin
-    that hid AVX512-BF16 alone made vLLM load the AVX512 library and then call an AMX op it lacks), and LFM2's
+    """The engine's plugin (tests/engine/site/cpu_engine_plugin.py) describes a CPU to vLLM, which picks its kernel
+    library by that description (`import_kernels`), then each layer's kernel by it too (`dispatch_cpu_unquantized_
+    gemm`). Both must agree on every CPU the suite meets: a linear layer computes what torch's does (on an AMX CPU, a
+    plugin that hid AVX512-BF16 alone made vLLM load the AVX512 library, then call an AMX op it lacks), and LFM2's
     short-conv weight keeps its width 3 (not prepacked for the width-4-only kernel)."""
     import engine
 
