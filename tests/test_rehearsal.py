@@ -14,6 +14,7 @@ what an uninterrupted run does too: each start goes through the same train_lora.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import signal
 import subprocess
@@ -230,7 +231,7 @@ def test_sessions_run_the_agent_through_the_real_capture_proxy(vllm: engine.Engi
         assert turn.completion_token_ids and len(turn.per_token_logps) == len(turn.completion_token_ids)
         assert sum(turn.loss_mask) == len(turn.completion_token_ids)
         assert turn.metadata["sampling_params"]["temperature"] == recipe.TEMPERATURE
-    assert reward == (1.0 if len(answer) % 2 == 1 else 0.0)  # task 1 asks for an odd byte length
+    assert reward == (1.0 if hashlib.sha1(answer).digest()[0] % 2 == 1 else 0.0)  # task 1 asks for an odd digest
     assert not session.workdir.exists()
 
 

@@ -90,14 +90,21 @@ def check_trajectories(repo: Path) -> None:
     assert scored, sample
     acted = [t for t in scored if t["tool_calls"]]  # about 1 reply in 10 is no parseable call (it ends the rollout)
     assert acted, sample
-    for t in scored:  # after OpenCode's system prompt, its own later system notes aside (seen: one after the call)
-        said = [m for m in t["messages"][1:] if m["role"] != "system"]
-        assert t["messages"][0]["role"] == "system" and said[0]["role"] == "user", t["messages"]
+    for t in scored:
+        assert t["messages"][0]["role"] == "system", t["messages"]
         assert "opencode" in t["messages"][0]["text"].lower(), t["messages"][0]
         assert t["verdict"] == ("correct" if t["reward"] == 1.0 else "wrong"), t
-        if t in acted:
-            assert [m["role"] for m in said][1:3] in (["assistant"], ["assistant", "tool"]), t["messages"]
-            assert [c["name"] for c in said[1]["tool_calls"]] == ["write"], said[1]
+        # A call OpenCode sent again (seen on a loaded machine: its first reply was sampled, then the same prompt came
+        # again) is a fork: the page shows the conversation from OpenCode's system prompt once more. In each part,
+        # after that prompt (OpenCode's later system notes aside: seen, one after the call), the task, then the
+        # agent's `write` call and the tool's answer.
+        starts = [at for at, m in enumerate(t["messages"]) if m == t["messages"][0]]
+        for start, end in zip(starts, [*starts[1:], len(t["messages"])], strict=True):
+            said = [m for m in t["messages"][start + 1:end] if m["role"] != "system"]
+            assert said[0]["role"] == "user", t["messages"]
+            if t in acted:
+                assert [m["role"] for m in said][1:3] in (["assistant"], ["assistant", "tool"]), t["messages"]
+                assert [c["name"] for c in said[1]["tool_calls"]] == ["write"], said[1]
     assert "checkpoint-1" in (repo / trajectories.PAGE_PATH).read_text()
 
 

@@ -67,16 +67,18 @@ def make_tasks(count: int) -> list[dict[str, Any]]:
     for index in range(count):
         parity = ("even", "odd")[index % 2]
         tasks.append({"index": index, "task_name": f"rehearsal-{index:03d}", "parity": index % 2,
-                      "instruction": f"Task {index}: reply in an {parity} number of bytes."})
+                      "instruction": f"Task {index}: reply with an {parity} digest."})
     return tasks
 
 
 def grade(workdir: Path, task: dict[str, Any]) -> float:
-    """The task's verifier: 1.0 when answer.txt exists and its byte length has the asked parity."""
+    """The task's verifier: 1.0 when answer.txt exists and its SHA-1's first byte has the asked parity: half of all
+    distinct answers, whatever the random model prefers. (Byte-length parity was not: on one machine the odd tasks'
+    answers passed 25% of the time, so a group of 8 had no contrast in one run of 10.)"""
     answer = workdir / "answer.txt"
     if not answer.is_file():
         return 0.0
-    return 1.0 if len(answer.read_bytes()) % 2 == task["parity"] else 0.0
+    return 1.0 if hashlib.sha1(answer.read_bytes()).digest()[0] % 2 == task["parity"] else 0.0
 
 
 def chat_streamed(capture_url: str, session_id: str, messages: list[dict[str, Any]], timeout_s: float) -> str:
