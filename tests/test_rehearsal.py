@@ -14,7 +14,6 @@ what an uninterrupted run does too: each start goes through the same train_lora.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import signal
 import subprocess
@@ -46,7 +45,7 @@ sys.path.insert(0, str(REHEARSAL))
 
 from policy_server import ANSWER_FILE, OldestTaskFirst, PolicyServer, Script  # noqa: E402
 from rehearse import ADAPTER_REPO, REHEARSAL_RATIO_BAND, run_apart, start_capture_proxy, wait_for_proxy  # noqa: E402
-from sessions import ScriptedAgentSessionFactory, make_tasks  # noqa: E402
+from sessions import ScriptedAgentSessionFactory, make_tasks, passes  # noqa: E402
 
 MODEL = recipe.SERVED_MODEL_NAME
 TRAIN_SAMPLING = {"temperature": recipe.TEMPERATURE, "top_p": recipe.TOP_P, "top_k": recipe.TOP_K}
@@ -231,7 +230,7 @@ def test_sessions_run_the_agent_through_the_real_capture_proxy(vllm: engine.Engi
         assert turn.completion_token_ids and len(turn.per_token_logps) == len(turn.completion_token_ids)
         assert sum(turn.loss_mask) == len(turn.completion_token_ids)
         assert turn.metadata["sampling_params"]["temperature"] == recipe.TEMPERATURE
-    assert reward == (1.0 if hashlib.sha1(answer).digest()[0] % 2 == 1 else 0.0)  # task 1 asks for an odd digest
+    assert reward == (1.0 if passes(answer, make_tasks(2)[1]) else 0.0)  # what the agent wrote, graded
     assert not session.workdir.exists()
 
 

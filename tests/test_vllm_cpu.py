@@ -255,8 +255,7 @@ def test_the_engines_cpu_kernels_are_all_in_the_library_vllm_loads_and_keep_the_
     import engine
 
     engine.require()
-    paths = (engine.SITE, *engine.VLLM_PATHS, Path(__file__).parent)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(map(str, paths)), "VLLM_TARGET_DEVICE": "cpu"}
+    env = {**os.environ, "PYTHONPATH": engine.ENGINE_PYTHONPATH, "VLLM_TARGET_DEVICE": "cpu"}
     out = subprocess.run([sys.executable, "-c", KERNELS], capture_output=True, text=True, env=env, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])

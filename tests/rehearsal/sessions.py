@@ -71,14 +71,17 @@ def make_tasks(count: int) -> list[dict[str, Any]]:
     return tasks
 
 
+def passes(answer: bytes, task: dict[str, Any]) -> bool:
+    """Whether the answer's SHA-1's first byte has the task's parity: half of all distinct answers, whatever the random
+    model prefers. (Byte-length parity was not: on one machine the odd tasks' answers passed 25% of the time, so a
+    group of 8 had no contrast in one run of 10.)"""
+    return hashlib.sha1(answer).digest()[0] % 2 == task["parity"]
+
+
 def grade(workdir: Path, task: dict[str, Any]) -> float:
-    """The task's verifier: 1.0 when answer.txt exists and its SHA-1's first byte has the asked parity: half of all
-    distinct answers, whatever the random model prefers. (Byte-length parity was not: on one machine the odd tasks'
-    answers passed 25% of the time, so a group of 8 had no contrast in one run of 10.)"""
+    """The task's verifier: 1.0 when answer.txt exists and passes."""
     answer = workdir / "answer.txt"
-    if not answer.is_file():
-        return 0.0
-    return 1.0 if hashlib.sha1(answer.read_bytes()).digest()[0] % 2 == task["parity"] else 0.0
+    return 1.0 if answer.is_file() and passes(answer.read_bytes(), task) else 0.0
 
 
 def chat_streamed(capture_url: str, session_id: str, messages: list[dict[str, Any]], timeout_s: float) -> str:
