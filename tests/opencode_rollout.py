@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from chain.sandbox import OFFLINE
 from openenv.core.harness import TrainingTrace
 from openenv.harbor import seams
 from stubs.procs import free_ports, start, stop, wait_http
@@ -38,6 +39,7 @@ STUBS = Path(__file__).resolve().parent / "stubs"
 _LOCAL_OPENCODE = ROOT / ".opencode" / "node_modules" / ".bin" / "opencode"
 OPENCODE = os.environ.get("OPENCODE_BIN") or (str(_LOCAL_OPENCODE) if _LOCAL_OPENCODE.exists() else
                                               shutil.which("opencode"))
+NO_OPENCODE = "the OpenCode CLI: `bash setup.sh` installs it under .opencode/; or set OPENCODE_BIN"
 TASK = "How many rows does data.csv have?"
 # What a trained LFM2.5 samples for the task, in the chat template's own format: a bash call, then the answer.
 CANONICAL = ["<|tool_call_start|>[bash(command='wc -l data.csv', description='Count lines')]<|tool_call_end|>",
@@ -107,6 +109,11 @@ def rollout_stack(model_dir: Path, script: list[str], tmp: Path, *, pinned: bool
             stop(policy)
 
 
+def opencode_home(workdir: Path) -> Path:
+    """The HOME (and XDG folders) `run_opencode` gives the OpenCode run in `workdir`: its own, beside it."""
+    return workdir.parent / f"{workdir.name}-home"
+
+
 def run_opencode(stack: Stack, workdir: Path, instruction: str = TASK) -> TrainingTrace:
     """One OpenCode task through the proxy in a training session (the trainer's sampling); returns its trace.
 
@@ -126,15 +133,13 @@ def run_opencode(stack: Stack, workdir: Path, instruction: str = TASK) -> Traini
         seams.SEAMS[seam_patch.HARNESS] = unpatched
     workdir.mkdir(parents=True, exist_ok=True)
     (workdir / "data.csv").write_text("a,b\n1,2\n3,4\n")
-    home = workdir.parent / f"{workdir.name}-home"
+    home = opencode_home(workdir)
     home.mkdir(exist_ok=True)
     config = home / "opencode.json"
     config.write_text(json.dumps(kwargs["opencode_config"]))
     env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
            "XDG_DATA_HOME": str(home / ".data"), "XDG_CACHE_HOME": str(home / ".cache"),
-           "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(config),
-           "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_SHARE": "1",
-           "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"}
+           "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(config), **OFFLINE}
     model = f"{seams.OPENCODE_PROVIDER}/{seams.agent_facing_model(recipe.SERVED_MODEL_NAME)}"
     done = subprocess.run([OPENCODE, f"--model={model}", "run", "--format=json", "--dangerously-skip-permissions",
                            "--", instruction], cwd=workdir, env=env, capture_output=True, text=True, timeout=400)

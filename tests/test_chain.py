@@ -28,7 +28,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from chain import envserver
+from chain import envserver, tls_front
 from stubs import jobs_proxy_double
 
 import recipe
@@ -258,6 +258,19 @@ def test_the_public_host_answers_over_tls_with_a_certificate_only_the_test_ca_vo
     assert health(ssl.create_default_context(cafile=str(server.certs.ca))).startswith(b"HTTP/1.1 200")
     with pytest.raises(ssl.SSLCertVerificationError):  # no public root vouches for it: the image must trust the CA
         health(ssl.create_default_context())
+
+
+def test_the_public_hosts_front_starts_without_a_name_lookup_off_loopback(monkeypatch):
+    """The front listens on a 127/8 address of its own, which no hosts file names: http.server's bind looks its name
+    up (socket.getfqdn), a DNS query to this machine's resolver, off loopback."""
+
+    def lookup(*args: object) -> None:
+        raise AssertionError(f"a name lookup of {args}")
+
+    monkeypatch.setattr(socket, "gethostbyaddr", lookup)
+    server = jobs_proxy_double.start("http://127.0.0.1:9", address=(tls_front.loopback_address(), 0))
+    server.shutdown()
+    server.server_close()
 
 
 def test_every_model_call_reached_the_gateway_through_the_front_as_x_api_key_alone(played):

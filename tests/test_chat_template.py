@@ -14,12 +14,15 @@ import sys
 from pathlib import Path
 
 import pytest
+from chain import envserver
 from opencode_rollout import (
     CANONICAL,
+    NO_OPENCODE,
     OPENCODE,
     chain,
     first_divergence,
     hub_template_stand_in,
+    opencode_home,
     rollout_stack,
     run_opencode,
     tiny_model_with_hub_template,
@@ -79,14 +82,21 @@ def test_serve_policy_hands_vllm_the_template_chat_template_py_writes(tmp_path):
     assert written.read_text() == lfm2_2_5_chat_template
 
 
-@pytest.mark.skipif(not OPENCODE, reason="needs the OpenCode CLI: npm install opencode-ai@1.18.33, set OPENCODE_BIN")
-def test_a_real_opencode_rollout_with_a_tool_call_is_one_training_row(tmp_path):
-    """OpenCode: bash tool call -> its result -> final message; serve_policy.sh serves a model folder whose own
-    template opens <think> (the model repo's, as the recipe's lineage describes it). Before the fix vLLM used it and
-    the second turn forked: 2 rows, fork 1 of 1 transitions."""
-    model = tiny_model_with_hub_template(tmp_path / "model")
-    with rollout_stack(model, CANONICAL, tmp_path / "stack") as stack:
-        trace = run_opencode(stack, tmp_path / "work")
+@pytest.fixture(scope="module")
+def rollout(tmp_path_factory) -> dict:
+    """One real OpenCode rollout: bash tool call -> its result -> final message; serve_policy.sh serves a model folder
+    whose own template opens <think> (the model repo's, as the recipe's lineage describes it)."""
+    envserver.require("a real OpenCode rollout", "" if OPENCODE else NO_OPENCODE)
+    tmp = tmp_path_factory.mktemp("rollout")
+    model = tiny_model_with_hub_template(tmp / "model")
+    with rollout_stack(model, CANONICAL, tmp / "stack") as stack:
+        return {"trace": run_opencode(stack, tmp / "work"), "home": opencode_home(tmp / "work")}
+
+
+def test_a_real_opencode_rollout_with_a_tool_call_is_one_training_row(rollout):
+    """Before the fix vLLM used the model folder's template and the second turn forked: 2 rows, fork 1 of 1
+    transitions."""
+    trace = rollout["trace"]
     agent_turns = len(trace.turns)
     rows, tally = chain(trace)
     assert agent_turns == 2, f"expected OpenCode's tool-call turn and its final turn, got {agent_turns}"
@@ -94,6 +104,15 @@ def test_a_real_opencode_rollout_with_a_tool_call_is_one_training_row(tmp_path):
     assert (tally["fork"], len(rows)) == (0, 1), (
         f"the rollout forked into {len(rows)} rows ({tally}); first divergence: "
         f"{first_divergence(trace, tiny_tokenizer())}")
+
+
+def test_a_real_opencode_rollout_fetches_no_package_from_the_internet(rollout):
+    """OpenCode 1.18.33 fetches its config folder's packages (@opencode-ai/plugin and four more) from npm's registry
+    at every start; the suite's traffic stays on loopback (chain.sandbox.OFFLINE points the registry at a closed
+    loopback port). npm's cache indexes every response it fetched, so an empty index is a run that fetched none."""
+    fetched = [entry.read_text()[:300] for entry in rollout["home"].rglob("*")
+               if entry.is_file() and "index-v5" in entry.parts]  # npm's cache index, where npm keeps it
+    assert fetched == []
 
 
 def test_the_model_card_says_a_step_trains_rows_and_is_one_group_only_when_no_rollout_forked():

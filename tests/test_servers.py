@@ -10,7 +10,6 @@ import json
 import os
 import select
 import shlex
-import shutil
 import signal
 import socket
 import subprocess
@@ -19,6 +18,9 @@ import time
 from pathlib import Path
 
 import pytest
+from chain import envserver
+from chain.sandbox import OFFLINE
+from opencode_rollout import NO_OPENCODE, OPENCODE
 from openenv.harbor import seams
 from stubs import jobs_proxy_double, upstream_double
 from stubs.procs import free_port, free_ports, start, stop, wait_http
@@ -710,12 +712,6 @@ esac
 
 # --- stretch: the real OpenCode client through a proxy that strips Authorization ---------------------
 
-# setup.sh installs the pinned client under .opencode/; OPENCODE_BIN or PATH may point elsewhere.
-_LOCAL_OPENCODE = Path(__file__).resolve().parents[1] / ".opencode" / "node_modules" / ".bin" / "opencode"
-OPENCODE = os.environ.get("OPENCODE_BIN") or (
-    str(_LOCAL_OPENCODE) if _LOCAL_OPENCODE.exists() else shutil.which("opencode")
-)
-
 
 def run_opencode(tmp: Path, config: dict) -> subprocess.CompletedProcess:
     """`opencode run` one-shot, isolated from this machine's config (FACTS.md: OpenCode 1.18.33)."""
@@ -725,9 +721,7 @@ def run_opencode(tmp: Path, config: dict) -> subprocess.CompletedProcess:
     env = {
         "PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
         "XDG_DATA_HOME": str(home / ".data"), "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(tmp / "opencode.json"),
-        "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_SHARE": "1",
-        "OPENCODE_DISABLE_LSP_DOWNLOAD": "1",
+        "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(tmp / "opencode.json"), **OFFLINE,
     }
     model = f"{seams.OPENCODE_PROVIDER}/{seams.agent_facing_model(recipe.SERVED_MODEL_NAME)}"
     return subprocess.run([OPENCODE, "run", "--model", model, "Say ok."], cwd=tmp, env=env, capture_output=True,
@@ -748,8 +742,8 @@ def turns(env_port: int, session: str) -> int:
     return json.loads(text)["n_turns"]
 
 
-@pytest.mark.skipif(not OPENCODE, reason="needs the OpenCode CLI: npm install opencode-ai@1.18.33, set OPENCODE_BIN")
 def test_real_opencode_through_stripping_proxy_and_gateway(job_ports, tmp_path, monkeypatch):
+    envserver.require("a real OpenCode client", "" if OPENCODE else NO_OPENCODE)
     env_port, public_port, _ = job_ports
     proxy = jobs_proxy_double.start(f"http://127.0.0.1:{public_port}")
     base_url = f"http://127.0.0.1:{proxy.server_address[1]}/capture"

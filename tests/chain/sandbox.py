@@ -36,10 +36,12 @@ from harbor.environments.capabilities import EnvironmentCapabilities
 from harbor.models.environment_type import EnvironmentType
 
 PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
-# This machine reaches the package registries only, where a real sandbox has the internet: OpenCode is kept from the
-# network calls it would otherwise wait on (models.dev, its own updates, share links, LSP downloads).
+# This machine reaches the package registries only, where a real sandbox has the internet, and the suite's traffic
+# stays on loopback: OpenCode is kept from the network calls it would otherwise make (models.dev, its own updates,
+# share links, LSP downloads), and the npm registry it fetches its config folder's packages from at every start
+# (@opencode-ai/plugin and four more; it runs on without them) is a closed loopback port.
 OFFLINE = {"OPENCODE_DISABLE_MODELS_FETCH": "1", "OPENCODE_DISABLE_AUTOUPDATE": "1", "OPENCODE_DISABLE_SHARE": "1",
-           "OPENCODE_DISABLE_LSP_DOWNLOAD": "1"}
+           "OPENCODE_DISABLE_LSP_DOWNLOAD": "1", "npm_config_registry": "http://127.0.0.1:9/"}
 
 
 def images() -> dict[str, list[str]]:

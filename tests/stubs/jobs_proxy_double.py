@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import socket
+import socketserver
 import ssl
 import sys
 import threading
@@ -69,6 +70,12 @@ def start(upstream: str, *, address: tuple[str, int] = ("127.0.0.1", 0), tls: ss
             pass
 
     class Server(ThreadingHTTPServer):
+        def server_bind(self) -> None:
+            """http.server's bind without its lookup of the address's name (socket.getfqdn): for the public host's
+            127/8 address, which no hosts file names, that is a DNS query off loopback."""
+            socketserver.TCPServer.server_bind(self)
+            self.server_name, self.server_port = self.server_address[:2]
+
         def get_request(self) -> tuple[socket.socket, object]:
             """The accepted connection, TLS-wrapped when asked; the handshake runs in the request's own thread."""
             sock, peer = super().get_request()
