@@ -5,6 +5,7 @@ crashing children, SIGTERM, and no process left behind."""
 from __future__ import annotations
 
 import os
+import random
 import re
 import shlex
 import signal
@@ -13,7 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
-from run_job_harness import assert_no_leftovers, index_of, leftovers, make_job, run_job, stub_log
+from run_job_harness import ROOT, assert_no_leftovers, index_of, leftovers, make_job, run_job, stub_log
 
 import recipe
 
@@ -205,5 +206,37 @@ def test_sigterm_stops_everything(job):
         if proc.poll() is None:
             proc.kill()
     assert_no_leftovers(job["token"])
+
+
+# The watchdog's own loop, read from run_job.sh, watching three live processes and a fresh heartbeat, as it does for
+# the hours a job trains; its TERM trap is the job's. bash 5.2 re-reads a command substitution's text when it runs it,
+# and runs a pending trap from inside that reader: a SIGTERM landing in `$(( $(...) - $(stat ... "$file" ...) ))`
+# had its `exit 143` parsed inside the open substitution, failed (`trap: line 2: unexpected EOF while looking for
+# matching ')'`) and the job ended with status 2 (seen in CI here; 16 stops in 150 of that line alone).
+WATCHING = """set -euo pipefail
+trap 'exit 143' TERM
+die() { echo "die: $*" >&2; exit 1; }
+tail_log() { :; }
+eval "$(sed -n '/^supervise() {/,/^}/p' run_job.sh)"
+declare -A PID=([vllm]=$$ [env_server]=$$ [trainer]=$$)
+HEARTBEAT_FILE="$1" STALL_SECONDS=3600 WATCH_INTERVAL=0.01 DEADLINE=""
+touch "$HEARTBEAT_FILE"
+echo watching
+supervise trainer
+"""
+STOPS = 40  # at 1 in 10 a stop, the old loop passes 40 with probability 1.5%
+
+
+def test_a_sigterm_at_any_moment_of_the_watch_ends_the_job_with_143(tmp_path):
+    rng, ends = random.Random(0), []
+    for n in range(STOPS):
+        proc = subprocess.Popen(["bash", "-c", WATCHING, "watch", str(tmp_path / f"heartbeat-{n}")], cwd=ROOT,
+                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert proc.stdout.readline() == "watching\n", proc.communicate(timeout=10)
+        time.sleep(rng.random() * 0.05)
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=10)
+        ends.append((proc.returncode, err.strip()))
+    assert [end for end in ends if end[0] != 143] == []
 
 
