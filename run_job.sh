@@ -129,7 +129,7 @@ run_trainer() {
 # supervise NAME: returns when the trainer NAME exits 0; fails the job (on_exit stops every child) when it fails,
 # stalls or passes the smoke deadline, or when a server exits.
 supervise() {
-  local trainer="$1" name now beat rc
+  local trainer="$1" name now beat age rc
   while true; do
     for name in vllm env_server "$trainer"; do  # any exit but the trainer's with status 0 fails the job
       kill -0 "${PID[$name]}" 2>/dev/null && continue
@@ -139,10 +139,11 @@ supervise() {
     done
     printf -v now '%(%s)T' -1  # no $(...) in $((...)): a SIGTERM landing there broke bash 5.2's TERM trap (exit 2)
     beat=$(stat -c %Y "$HEARTBEAT_FILE" 2>/dev/null) || beat=0  # a deleted file counts as stale
+    age=$(( now - beat ))
     if [ -n "${DEADLINE:-}" ] && (( now >= DEADLINE )); then
       tail_log "$trainer"; die "smoke deadline reached: $trainer ran past the plan's budget (smoke_report.py plan); stopped it for the report"
-    elif (( now - beat > STALL_SECONDS )); then
-      tail_log "$trainer"; die "trainer stalled: no optimizer step and no finished rollout for $(( now - beat ))s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
+    elif (( age > STALL_SECONDS )); then
+      tail_log "$trainer"; die "trainer stalled: no optimizer step and no finished rollout for ${age}s (limit ${STALL_SECONDS}s); killed it. Relaunch to resume from the last pushed checkpoint"
     fi
     sleep "$WATCH_INTERVAL" & wait $!  # interruptible, so a TERM is handled at once
   done

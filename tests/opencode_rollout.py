@@ -114,6 +114,14 @@ def opencode_home(workdir: Path) -> Path:
     return workdir.parent / f"{workdir.name}-home"
 
 
+def opencode_env(home: Path, config: Path) -> dict[str, str]:
+    """An OpenCode run isolated from this machine's config and kept on loopback: its own HOME and XDG folders, its
+    config file, the sandbox's OFFLINE switches."""
+    return {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
+            "XDG_DATA_HOME": str(home / ".data"), "XDG_CACHE_HOME": str(home / ".cache"),
+            "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(config), **OFFLINE}
+
+
 def run_opencode(stack: Stack, workdir: Path, instruction: str = TASK) -> TrainingTrace:
     """One OpenCode task through the proxy in a training session (the trainer's sampling); returns its trace.
 
@@ -137,9 +145,7 @@ def run_opencode(stack: Stack, workdir: Path, instruction: str = TASK) -> Traini
     home.mkdir(exist_ok=True)
     config = home / "opencode.json"
     config.write_text(json.dumps(kwargs["opencode_config"]))
-    env = {"PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-           "XDG_DATA_HOME": str(home / ".data"), "XDG_CACHE_HOME": str(home / ".cache"),
-           "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(config), **OFFLINE}
+    env = opencode_env(home, config)
     model = f"{seams.OPENCODE_PROVIDER}/{seams.agent_facing_model(recipe.SERVED_MODEL_NAME)}"
     done = subprocess.run([OPENCODE, f"--model={model}", "run", "--format=json", "--dangerously-skip-permissions",
                            "--", instruction], cwd=workdir, env=env, capture_output=True, text=True, timeout=400)

@@ -238,5 +238,3 @@ def test_a_sigterm_at_any_moment_of_the_watch_ends_the_job_with_143(tmp_path):
         _, err = proc.communicate(timeout=10)
         ends.append((proc.returncode, err.strip()))
     assert [end for end in ends if end[0] != 143] == []
-
-

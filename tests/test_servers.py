@@ -19,8 +19,7 @@ from pathlib import Path
 
 import pytest
 from chain import envserver
-from chain.sandbox import OFFLINE
-from opencode_rollout import NO_OPENCODE, OPENCODE
+from opencode_rollout import NO_OPENCODE, OPENCODE, opencode_env
 from openenv.harbor import seams
 from stubs import jobs_proxy_double, upstream_double
 from stubs.procs import free_port, free_ports, start, stop, wait_http
@@ -718,11 +717,7 @@ def run_opencode(tmp: Path, config: dict) -> subprocess.CompletedProcess:
     home = tmp / "home"
     home.mkdir(exist_ok=True)
     (tmp / "opencode.json").write_text(json.dumps(config))
-    env = {
-        "PATH": os.environ["PATH"], "HOME": str(home), "XDG_CONFIG_HOME": str(home / ".config"),
-        "XDG_DATA_HOME": str(home / ".data"), "XDG_CACHE_HOME": str(home / ".cache"),
-        "XDG_STATE_HOME": str(home / ".state"), "OPENCODE_CONFIG": str(tmp / "opencode.json"), **OFFLINE,
-    }
+    env = opencode_env(home, tmp / "opencode.json")
     model = f"{seams.OPENCODE_PROVIDER}/{seams.agent_facing_model(recipe.SERVED_MODEL_NAME)}"
     return subprocess.run([OPENCODE, "run", "--model", model, "Say ok."], cwd=tmp, env=env, capture_output=True,
                           text=True, timeout=120)
