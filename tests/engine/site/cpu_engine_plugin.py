@@ -19,11 +19,16 @@ rule, because it is vLLM's own extension point: it runs exactly in vLLM's proces
    `/finish_weight_update`, `trainer_init`, the packed producer and consumer (packing, unpacking, buffer
    boundaries) and the model's `load_weights` with the layerwise reload. The trainer's process applies the same
    `transport()` (tests/engine.cpu_transport), so TRL's `WeightTransferClient` drives both ends unchanged.
+3. The engine core is forked, not spawned. vLLM's CPU platform sets `VLLM_WORKER_MULTIPROC_METHOD=spawn` in its
+   `check_and_update_config`; `fork_engine_core()` sets it back to vLLM's default, `fork`, which vLLM uses to start
+   the engine core on a GPU. The spawned core imported vLLM again: a start took 23-25 CPU-s and 23-24 s to ready,
+   forked 16.5-17 CPU-s and 16 s (benchmarks/LOG.md).
 """
 
 from __future__ import annotations
 
 import datetime
+import os
 import types
 from typing import Any
 
@@ -93,3 +98,17 @@ def register() -> None:
 
     torch.cpu._is_avx512_bf16_supported = torch.cpu._is_amx_tile_supported = lambda: False
     transport()
+    fork_engine_core()
+
+
+def fork_engine_core() -> None:
+    """After vLLM's CPU platform has chosen `spawn` for the engine core, choose its default again: `fork`."""
+    from vllm.platforms.cpu import CpuPlatform
+
+    configure = CpuPlatform.check_and_update_config
+
+    def check_and_update_config(cls: type, vllm_config: Any) -> None:
+        configure(vllm_config)
+        os.environ["VLLM_WORKER_MULTIPROC_METHOD"] = "fork"
+
+    CpuPlatform.check_and_update_config = classmethod(check_and_update_config)
