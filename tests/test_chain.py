@@ -335,17 +335,23 @@ def faulted(chain, tmp_path_factory):
                                                                                       "interval_sec = 0.5"))
     crash = "#!/bin/bash\necho grader crashed >&2\nexit 3\n"
     (chain.tasks / "train" / "tasks" / verifier / "tests" / "test.sh").write_text(crash)
-    plan = [start, health, install, verifier, loop]
+    # Only the looping agent runs under the short cap; the verifier's rollout ends on its own and keeps the module's
+    # (a suite run here failed it and the timeout test's counts together, as that rollout timing out would).
+    plans = {"faults": ([start, health, install, verifier], {}),
+             "timeout": ([loop], {"agent_timeout_sec": FAULT_AGENT_TIMEOUT_S})}
+    root = tmp_path_factory.mktemp("faults")
     began = time.monotonic()
-    with pytest.MonkeyPatch.context() as patch:  # the client finds the server's trial folders, as in the job
-        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
-        out, ledger = chain.rollouts(plan, tmp_path_factory.mktemp("faults") / "rollouts.json",
-                                     agent_timeout_sec=FAULT_AGENT_TIMEOUT_S)
-    print(f"chain faults: {len(plan)} concurrent rollouts in {time.monotonic() - began:.0f} s")
-    for task, session, _, reward in out:
+    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(max_workers=len(plans)) as pool:
+        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))  # the client finds them, as in the job
+        runs = {name: pool.submit(chain.rollouts, plan, root / name / "rollouts.json", **overrides)
+                for name, (plan, overrides) in plans.items()}
+        (out, ledger), (looped, timeout_ledger) = runs["faults"].result(), runs["timeout"].result()
+    print(f"chain faults: 5 concurrent rollouts in {time.monotonic() - began:.0f} s")
+    for task, session, _, reward in [*out, *looped]:
         print(f"chain fault {task}: reward {reward}, {getattr(session, 'failure', None)}: "
               f"{getattr(session, 'error', '')}")
-    return dict(zip(("start", "healthcheck", "install", "verifier", "timeout"), out, strict=True)), ledger
+    return {**dict(zip(("start", "healthcheck", "install", "verifier"), out, strict=True)), "timeout": looped[0]}, \
+        {"faults": ledger, "timeout": timeout_ledger}
 
 
 @pytest.mark.parametrize(("fault", "failure", "says"), [
@@ -356,7 +362,7 @@ def faulted(chain, tmp_path_factory):
 ])
 def test_a_fault_in_the_real_chain_is_one_unscorable_rollout_of_its_class(faulted, fault, failure, says, chain,
                                                                          monkeypatch):
-    (_, session, _, reward), ledger = faulted[0][fault], faulted[1]
+    (_, session, _, reward), ledger = faulted[0][fault], faulted[1]["faults"]
     monkeypatch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
     assert reward is None and session.failure == failure, (session.failure, session.error)
     assert says in session.error
@@ -368,11 +374,14 @@ def test_a_fault_in_the_real_chain_is_one_unscorable_rollout_of_its_class(faulte
 
 
 def test_an_agent_timeout_in_the_real_chain_is_scored_as_timed_out(faulted):
-    (_, session, trace, reward), ledger = faulted[0]["timeout"], faulted[1]
+    (_, session, trace, reward), ledgers = faulted[0]["timeout"], faulted[1]
     assert session.failure is None and session.timed_out and reward == 0.0
     assert len(trace.turns) >= 1  # the turns it made before the timeout are trained
-    assert (ledger["rollouts"], ledger["scored"], ledger["timed_out"]) == (5, 1, 1)
-    assert ledger["unscorable"] == {"create": 0, "rollout": 3, "upstream": 0, "capture": 0, "empty_trace": 0,
+    ledger, faults = ledgers["timeout"], ledgers["faults"]
+    assert (ledger["rollouts"], ledger["scored"], ledger["timed_out"]) == (1, 1, 1)
+    assert not any(ledger["unscorable"].values()), ledger
+    assert (faults["rollouts"], faults["scored"], faults["timed_out"]) == (4, 0, 0)
+    assert faults["unscorable"] == {"create": 0, "rollout": 3, "upstream": 0, "capture": 0, "empty_trace": 0,
                                     "verifier": 1}
 
 
