@@ -94,6 +94,16 @@ class Chain:
             out = list(pool.map(one, plan))
         return out, recipe.read_json(ledger)
 
+    def rollouts_apart(self, plans: dict[str, tuple[list[str], dict]],
+                       root: Path) -> dict[str, tuple[list[tuple], dict]]:
+        """Each plan (its tasks, its factory overrides) through `rollouts` with a ledger of its own in root/NAME, all
+        at once; the client finds the server's trial folders by openenv's rule, as in the job."""
+        with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(max_workers=len(plans)) as pool:
+            patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(self.root / "trials"))
+            runs = {name: pool.submit(self.rollouts, tasks, root / name / "rollouts.json", **overrides)
+                    for name, (tasks, overrides) in plans.items()}
+            return {name: run.result() for name, run in runs.items()}
+
 
 @contextlib.contextmanager
 def running(root: Path, modes_of: Callable[[list[str]], dict[str, list[str]]], *, n_hard: int = 4,
@@ -339,14 +349,10 @@ def faulted(chain, tmp_path_factory):
     # (a suite run here failed it and the timeout test's counts together, as that rollout timing out would).
     plans = {"faults": ([start, health, install, verifier], {}),
              "timeout": ([loop], {"agent_timeout_sec": FAULT_AGENT_TIMEOUT_S})}
-    root = tmp_path_factory.mktemp("faults")
     began = time.monotonic()
-    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(max_workers=len(plans)) as pool:
-        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))  # the client finds them, as in the job
-        runs = {name: pool.submit(chain.rollouts, plan, root / name / "rollouts.json", **overrides)
-                for name, (plan, overrides) in plans.items()}
-        (out, ledger), (looped, timeout_ledger) = runs["faults"].result(), runs["timeout"].result()
-    print(f"chain faults: 5 concurrent rollouts in {time.monotonic() - began:.0f} s")
+    done = chain.rollouts_apart(plans, tmp_path_factory.mktemp("faults"))
+    (out, ledger), (looped, timeout_ledger) = done["faults"], done["timeout"]
+    print(f"chain faults: {len(out) + len(looped)} concurrent rollouts in {time.monotonic() - began:.0f} s")
     for task, session, _, reward in [*out, *looped]:
         print(f"chain fault {task}: reward {reward}, {getattr(session, 'failure', None)}: "
               f"{getattr(session, 'error', '')}")
@@ -419,11 +425,7 @@ def stopped(chain, tmp_path_factory):
     # The other two end on their own (the proxy ends the agent) and keep the module's cap: a CI run here timed the
     # budget rollout out at 30 s, before its second call.
     root = tmp_path_factory.mktemp("stopped")
-    with pytest.MonkeyPatch.context() as patch, ThreadPoolExecutor(max_workers=len(plans)) as pool:
-        patch.setenv("OPENENV_HARBOR_TRIALS_DIR", str(chain.root / "trials"))
-        runs = {name: pool.submit(chain.rollouts, [chain.names[2]], root / name / "rollouts.json", **plan)
-                for name, plan in plans.items()}
-        done = {name: run.result() for name, run in runs.items()}
+    done = chain.rollouts_apart({name: ([chain.names[2]], plan) for name, plan in plans.items()}, root)
     for server in servers.values():
         server.shutdown()
     logs = {name: [json.loads(x) for x in (root / name / recipe.ROLLOUT_LOG_NAME).read_text().splitlines()]
