@@ -60,13 +60,22 @@ start_bg() {
 # tail_log NAME [N]: the last lines of a child's log, for failure reports.
 tail_log() { [ -f "$LOG_DIR/$1.log" ] && tail -n "${2:-40}" "$LOG_DIR/$1.log" | sed "s/^/  $1| /" >&2 || true; }
 
+# http_ok URL: whether http://HOST:PORT/PATH (a server this script started) answers 2xx. Bash's own /dev/tcp, no proxy:
+# curl may not be in the image, and a Python start per poll cost a tenth of a CPU-second.
+http_ok() {
+  local rest="${1#http://}"
+  local hostport="${rest%%/*}" path="/${rest#*/}"
+  [[ "$rest" == */* ]] || path=/
+  ( exec 3<>"/dev/tcp/${hostport%:*}/${hostport##*:}" || exit 1
+    printf 'GET %s HTTP/1.0\r\nHost: %s\r\n\r\n' "$path" "$hostport" >&3
+    read -r -t 5 _ status _ <&3 && [[ "$status" == 2[0-9][0-9] ]] ) 2>/dev/null
+}
+
 # wait_http NAME URL TIMEOUT_S PID: waits until URL answers 2xx (polling every WAIT_POLL=2 s); fails early if PID dies.
-# Python's client, no proxy (curl may not be in the image; python3 is).
 wait_http() {
-  local name="$1" url="$2" timeout="$3" pid="${4:-}" start=$SECONDS get
-  get='import sys, urllib.request as u; u.build_opener(u.ProxyHandler({})).open(sys.argv[1], timeout=5)'
+  local name="$1" url="$2" timeout="$3" pid="${4:-}" start=$SECONDS
   if dry_run; then echo "  wait for $name at $url (timeout ${timeout}s)"; return 0; fi
-  until "$PYTHON" -c "$get" "$url" 2>/dev/null; do
+  until http_ok "$url"; do
     if [ -n "$pid" ] && ! kill -0 "$pid" 2>/dev/null; then tail_log "$name"; die "$name exited before it was ready"; fi
     if (( SECONDS - start > timeout )); then tail_log "$name"; die "$name not ready at $url after ${timeout}s"; fi
     sleep "${WAIT_POLL:-2}"

@@ -128,6 +128,44 @@ true"""
     assert slept["quick"] < slept["stubborn"], slept
 
 
+def test_wait_http_polls_a_server_until_it_answers_2xx_without_a_python_start_per_poll(tmp_path: Path) -> None:
+    """wait_http, the scripts' readiness wait, polls in bash itself: a Python start per poll (about a tenth of a
+    CPU-second with its imports) added up over a job script's waits. It waits through a server's non-2xx answers
+    until a 2xx, and a server that never answers 2xx ends the wait at its timeout, naming it."""
+    import http.server
+    import threading
+
+    class Health(http.server.BaseHTTPRequestHandler):
+        answered = 0
+
+        def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+            Health.answered += 1
+            self.send_response(200 if self.path == "/health" and Health.answered > 3 else 503)
+            self.end_headers()
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Health)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    pythons = tmp_path / "pythons.log"
+    recording = tmp_path / "python"
+    recording.write_text(f'#!/usr/bin/env bash\nprintf "%s\\n" "$*" >>{pythons}\nexec {sys.executable} "$@"\n')
+    recording.chmod(0o755)
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    script = f': >{pythons}; wait_http srv {url}/health 30; wait_http never {url}/other 1'
+    env = {**os.environ, "PYTHON": str(recording), "WAIT_POLL": "0.05", "LOG_DIR": str(tmp_path)}
+    try:
+        out = subprocess.run(["bash", "-c", f"source common.sh; {script}"], cwd=ROOT, env=env, capture_output=True,
+                             text=True, timeout=60)
+    finally:
+        server.shutdown()
+    assert re.search(r"srv ready at .*/health", out.stdout), out.stdout + out.stderr
+    assert "ERROR: never not ready at" in out.stderr and out.returncode != 0, out.stderr
+    assert Health.answered > 4  # the 503s, the 200, and the never-ready URL's polls
+    assert pythons.read_text() == ""  # no Python started by either wait
+
+
 def test_lora_targets_leave_the_short_conv_alone() -> None:
     assert "out_proj" not in recipe.LORA_TARGET_MODULES  # a bare suffix would also wrap conv.out_proj
     assert "self_attn.out_proj" in recipe.LORA_TARGET_MODULES
