@@ -112,14 +112,16 @@ def stub_log(job) -> list[str]:
     return path.read_text().splitlines() if path.exists() else []
 
 
-def leftovers(token: str) -> list[int]:
-    """Live processes (not zombies) carrying this test's token in their environment."""
+def leftovers(token: str, command: str = "") -> list[int]:
+    """Live processes (not zombies) carrying this test's token in their environment (and `command` in their argv); one
+    that exits while it is read is not listed."""
     found = []
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            if f"RUN_JOB_TEST_TOKEN={token}".encode() in (proc / "environ").read_bytes():
+            if (f"RUN_JOB_TEST_TOKEN={token}".encode() in (proc / "environ").read_bytes()
+                    and command.encode() in (proc / "cmdline").read_bytes()):
                 state = (proc / "stat").read_text().rsplit(")", 1)[1].split()[0]
                 if state != "Z":
                     found.append(int(proc.name))

@@ -11,7 +11,6 @@ import shlex
 import signal
 import subprocess
 import time
-from pathlib import Path
 
 import pytest
 from run_job_harness import ROOT, assert_no_leftovers, index_of, leftovers, make_job, run_job, stub_log
@@ -138,8 +137,7 @@ def test_a_gateway_killed_while_training_is_restarted_and_the_job_goes_on(job):
     env = {**job["env"], "STUB_TRAIN": "slow_first_step", "STALL_SECONDS": "4", "FINAL_EVAL": "0"}
     proc = start_until_training(job, env)
     try:
-        gateway = [pid for pid in leftovers(job["token"])
-                   if b"capture_gateway.py" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+        gateway = leftovers(job["token"], "capture_gateway.py")
         assert len(gateway) == 1, gateway
         os.kill(gateway[0], signal.SIGKILL)
         out, _ = proc.communicate(timeout=120)
