@@ -108,6 +108,7 @@ REHEARSAL_RATIO_BAND = (0.85, 1.15)
 # seen). The product's fork fraction is measured on real OpenCode conversations (tests/test_chat_template.py,
 # benchmarks/fork_frac.py) and judged by a real smoke run.
 REHEARSAL_LIMITS = {"unscorable": 0.5, "fork": 1.0}
+CRASH_MOVED = "moved"  # --crash-after-checkpoint moved: after the first checkpoint whose step moved the adapter
 FAULTS_SETTLE_S = 120  # how long --crash-after-checkpoint waits for the injected faults to reach the ledger
 # --real-chain: 4 prepared train tasks (a group per step, one more in flight, one spare; TRL cycles through them).
 # Groups of 2 rollouts (--group), one group in flight, not the recipe's 8 and 32: every trained row is OpenCode's whole
@@ -182,17 +183,31 @@ class StepLog(TrainerCallback):
 
 
 class CrashingHub(LocalHub):
-    """LocalHub that kills the rehearsal (and the processes it started) right after checkpoint-N is pushed.
+    """LocalHub that kills the rehearsal (and the processes it started) right after checkpoint-N is pushed, or the
+    first checkpoint whose step moved the adapter (`moved`: a real-chain start's groups may all lack contrast).
 
     With faults injected it first waits (up to FAULTS_SETTLE_S) until the rollout guard's ledger counts all of
     them, so that a killed run's ledger always holds every injected failure, whatever order rollouts finished in.
     """
 
-    def __init__(self, root: Path, crash_after: int, proxy: subprocess.Popen, ledger: Path, faults: int,
+    def __init__(self, root: Path, crash_after: str, proxy: subprocess.Popen, ledger: Path, faults: int,
                  own_engine: engine.Engine | None) -> None:
         super().__init__(root)
-        self.marker = f"checkpoint-{crash_after}/{adapter_repo.COMPLETE_MARKER}"
+        self.crash_after = crash_after
         self.proxy, self.ledger, self.faults, self.own_engine = proxy, ledger, faults, own_engine
+
+    def crashes_after(self, repo_id: str, paths: list[str]) -> str | None:
+        """The checkpoint this commit completes, if the run dies after it: checkpoint-N, or with `moved` the first
+        whose step moved the adapter (its trainer_state.json logs TRL's grad_norm > 0 for that step)."""
+        done = [path.split("/")[0] for path in paths if path.endswith(f"/{adapter_repo.COMPLETE_MARKER}")]
+        if not done or not done[0].startswith("checkpoint-"):
+            return None
+        if self.crash_after != CRASH_MOVED:
+            return done[0] if done[0] == f"checkpoint-{self.crash_after}" else None
+        step = int(done[0].removeprefix("checkpoint-"))
+        state = recipe.read_json(self.root / repo_id / done[0] / "trainer_state.json") or {"log_history": []}
+        moved = any(row.get("step") == step and row.get("grad_norm", 0.0) > 0 for row in state["log_history"])
+        return done[0] if moved else None
 
     def faults_counted(self) -> bool:
         counts = recipe.read_json(self.ledger)
@@ -200,11 +215,11 @@ class CrashingHub(LocalHub):
 
     def create_commit(self, repo_id: str, operations: list[object], **kwargs: Any) -> Any:
         info = super().create_commit(repo_id, operations, **kwargs)
-        if any(getattr(op, "path_in_repo", "") == self.marker for op in operations):
+        if checkpoint := self.crashes_after(repo_id, [getattr(op, "path_in_repo", "") for op in operations]):
             deadline = time.monotonic() + FAULTS_SETTLE_S
             while not self.faults_counted() and time.monotonic() < deadline:
                 time.sleep(0.2)
-            print(f"rehearse: {self.marker} pushed; crashing on purpose (SIGKILL)", flush=True)
+            print(f"rehearse: {checkpoint} pushed; crashing on purpose (SIGKILL)", flush=True)
             for child in multiprocessing.active_children():
                 os.kill(child.pid, signal.SIGKILL)
             os.kill(self.proxy.pid, signal.SIGKILL)
@@ -322,8 +337,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--max-steps", type=int, default=int(os.environ.get("MAX_STEPS", REHEARSAL_STEPS)))
     parser.add_argument("--save-steps", type=int, default=int(os.environ.get("SAVE_STEPS", REHEARSAL_SAVE_STEPS)))
     parser.add_argument("--weight-sync", default=os.environ.get("WEIGHT_SYNC", "merge_free"))
-    parser.add_argument("--crash-after-checkpoint", type=int, default=0, metavar="N",
-                        help="SIGKILL the rehearsal right after checkpoint-N is pushed (to rehearse resume)")
+    parser.add_argument("--crash-after-checkpoint", default="", metavar=f"N|{CRASH_MOVED}",
+                        help="SIGKILL the rehearsal right after checkpoint-N is pushed (to rehearse resume); "
+                             f"{CRASH_MOVED}: after the first checkpoint whose step moved the adapter (a trained "
+                             "group had reward contrast)")
     parser.add_argument("--faults", default="", metavar="LIST",
                         help=f"fail the first rollouts, one per listed class: 'all' = {','.join(FAULTS)}")
     parser.add_argument("--smoke-report", action="store_true",
@@ -339,6 +356,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--no-sync", action="store_true",
                         help="negative control: every sync sends nothing, the engine keeps the base weights")
     args = parser.parse_args(argv)
+    if args.crash_after_checkpoint not in ("", CRASH_MOVED) and not args.crash_after_checkpoint.isdigit():
+        parser.error(f"--crash-after-checkpoint takes a step number or {CRASH_MOVED}, not "
+                     f"{args.crash_after_checkpoint!r}")
     if args.real_chain and (args.faults or args.smoke_report):
         parser.error("--real-chain takes neither --faults (tests/test_chain.py injects real-chain faults) nor "
                      "--smoke-report (run those with the scripted sessions)")
