@@ -16,6 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hub_double import LocalHub
+from run_job_harness import leftovers
 from stubs.procs import free_port_knobs, free_ports, wait_http
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
@@ -738,22 +739,9 @@ def make_eval_job(tmp_path):
     env.update(PATH=f"{stubs / 'bin'}:{env['PATH']}", PYTHON=str(stubs / "bin" / "python3"),
                REAL_PYTHON=sys.executable, STUB_LOG=str(tmp_path / "stub.log"), LOG_DIR=str(tmp_path / "logs"),
                WORK_DIR=str(tmp_path / "work"), ADAPTER_REPO=REPO, HF_TOKEN="hf_SECRETSECRET", JOB_ID="job9",
-               PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", EVAL_TEST_TOKEN=token,
+               PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", RUN_JOB_TEST_TOKEN=token,  # leftovers() finds them by it
                **{name: str(port) for name, port in free_port_knobs().items()})
     return {"app": app, "env": env, "log": tmp_path / "stub.log", "token": token}
-
-
-def _leftovers(token):
-    """Live processes started by this test (its token is in their environment)."""
-    found = []
-    for proc in Path("/proc").iterdir():
-        try:
-            if proc.name.isdigit() and f"EVAL_TEST_TOKEN={token}".encode() in (proc / "environ").read_bytes():
-                if (proc / "stat").read_text().rsplit(")", 1)[1].split()[0] != "Z":
-                    found.append(int(proc.name))
-        except OSError:
-            continue
-    return found
 
 
 def _run_eval_job(job, script="run_eval.sh", **extra):
@@ -761,9 +749,9 @@ def _run_eval_job(job, script="run_eval.sh", **extra):
                             text=True, timeout=120)
     assert "hf_SECRETSECRET" not in result.stdout + result.stderr
     deadline = time.monotonic() + 10
-    while _leftovers(job["token"]) and time.monotonic() < deadline:
+    while leftovers(job["token"]) and time.monotonic() < deadline:
         time.sleep(0.2)
-    assert _leftovers(job["token"]) == []  # vLLM, env server and gateway are all stopped
+    assert leftovers(job["token"]) == []  # vLLM, env server and gateway are all stopped
     return result, job["log"].read_text().splitlines() if job["log"].exists() else []
 
 
