@@ -58,7 +58,7 @@ start_bg() {
 }
 
 # tail_log NAME [N]: the last lines of a child's log, for failure reports.
-tail_log() { [ -f "$LOG_DIR/$1.log" ] && tail -n "${2:-40}" "$LOG_DIR/$1.log" | sed "s/^/  $1| /" >&2 || true; }
+tail_log() { [ -f "$LOG_DIR/$1.log" ] || return 0; tail -n "${2:-40}" "$LOG_DIR/$1.log" | sed "s/^/  $1| /" >&2 || true; }
 
 # http_ok URL: whether http://HOST:PORT/PATH (a server this script started) answers 2xx. Bash's own /dev/tcp, no proxy:
 # curl may not be in the image, and a Python start per poll cost a tenth of a CPU-second.

@@ -11,8 +11,11 @@ its model calls that failed at the engine.
 from __future__ import annotations
 
 import argparse
+import ast
+import importlib.util
 import sys
 from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 from openenv.harbor import seams
@@ -55,6 +58,31 @@ def _with_upstream_errors(export: Any) -> Any:
     return export_session
 
 
+def calls_export_session(source: str) -> bool:
+    """Whether a rollout module imports or defines `export_session` at its top and calls it by that name: then what
+    `serve` wraps is what run_rollout calls."""
+    tree = ast.parse(source)
+    bound = {a.asname or a.name for node in tree.body if isinstance(node, ast.ImportFrom) for a in node.names}
+    bound |= {node.name for node in tree.body if isinstance(node, ast.FunctionDef)}
+    return "export_session" in bound and any(
+        isinstance(node, ast.Call) and getattr(node.func, "id", None) == "export_session" for node in ast.walk(tree))
+
+
+def wrap_export(action: str) -> None:
+    """`serve`: wrap run_rollout's capture export. `check` reads the module instead: importing it imports openenv.core
+    and gradio (4 of 5 CPU-s), in run_job.sh's step before vLLM starts, for a process that then exits."""
+    if action == "check":
+        spec = importlib.util.find_spec("openenv.harbor.rollout")
+        if spec is None or not calls_export_session(Path(str(spec.origin)).read_text(encoding="utf-8")):
+            raise ShapeError("openenv.harbor.rollout does not call a module-level export_session: the upstream-error "
+                             "count has nothing to wrap")
+        return
+    from openenv.harbor import rollout
+
+    if not getattr(rollout.export_session, _PATCHED, False):
+        rollout.export_session = _with_upstream_errors(rollout.export_session)
+
+
 def apply() -> None:
     """Patch the opencode seam in this process (once), then resolve it as a rollout does."""
     try:
@@ -81,10 +109,7 @@ def main(argv: list[str] | None = None) -> None:
         apply()
         sandbox_lifecycle.apply_idle_timeout()
         lifetime = sandbox_lifecycle.verify_lifetime(sandbox)
-        from openenv.harbor import rollout
-
-        if not getattr(rollout.export_session, _PATCHED, False):
-            rollout.export_session = _with_upstream_errors(rollout.export_session)
+        wrap_export(args.action)
     except (ShapeError, recipe.ConfigError) as exc:
         sys.exit(f"seam_patch: {exc}")
     except ImportError:  # Harbor's, several lines naming an extra without our pins

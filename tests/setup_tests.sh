@@ -84,7 +84,7 @@ build_chain_image() {
   echo "setup.sh: building the sandbox image root in $CHAIN_IMAGE (about 2 minutes)"
   rm -rf "$new"
   mkdir -p "$CHAIN_IMAGE"
-  mirror="$(apt_mirror)"; suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null || true)"
+  mirror="$(apt_mirror /etc/apt)"; suite="$(sed -n 's/^VERSION_CODENAME=//p' /etc/os-release 2>/dev/null || true)"
   if [ -z "$mirror" ] || [ -z "$suite" ]; then
     chain_missing "no Debian mirror or release found in apt's sources and /etc/os-release for debootstrap" || return 0
   fi
@@ -107,10 +107,10 @@ build_chain_image() {
   echo "$stamp" >"$CHAIN_IMAGE/stamp"
 }
 
-# apt_mirror [APT_DIR]: the Debian mirror this machine's apt installs from (default /etc/apt; the root comes from there
+# apt_mirror APT_DIR: the Debian mirror this machine's apt installs from (its /etc/apt; the root comes from there
 # too): the first deb822 `URIs:` or one-line `deb [options] URI suite ...` entry naming a .../debian mirror, else nothing.
 apt_mirror() {
-  local dir="${1:-/etc/apt}" found
+  local dir="$1" found
   found="$(cat "$dir"/sources.list.d/*.sources "$dir"/sources.list "$dir"/sources.list.d/*.list 2>/dev/null \
     | sed -n -E -e 's#^URIs:[[:space:]]*([^[:space:]]+/debian)/*([[:space:]].*)?$#\1#p' \
       -e 's#^deb[[:space:]]+(\[[^]]*\][[:space:]]+)?([^[:space:]]+/debian)/*[[:space:]].*#\2#p')" || true

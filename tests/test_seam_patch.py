@@ -108,6 +108,33 @@ def test_check_command_exits_zero_and_says_so():
     out = subprocess.run([sys.executable, str(ROOT / "seam_patch.py"), "check"], capture_output=True, text=True)
     assert out.returncode == 0, out.stderr
     assert "apiKey and x-api-key" in out.stdout
+    assert "failed at the engine" in out.stdout
+
+
+def test_check_reads_the_rollout_seam_without_importing_openenv_core():
+    """run_job.sh's step 2 runs `check` before vLLM starts: importing openenv.harbor.rollout would import openenv.core
+    (with gradio, as in the job's image: about 4 of the check's 5 CPU-s) only to wrap a function in a process that
+    then exits."""
+    import subprocess
+
+    code = ("import sys, seam_patch; seam_patch.main(['check']); print('imported:', "
+            "[m for m in ('openenv.core', 'openenv.harbor.rollout') if sys.modules.get(m) is not None])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "imported: []" in out.stdout, out.stdout
+
+
+def test_the_rollout_seam_is_the_module_level_export_session_that_run_rollout_calls():
+    """What `serve` wraps must be the name run_rollout looks up when it calls it; the installed openenv has that shape,
+    and a rollout module that binds or calls it otherwise is refused."""
+    import importlib.util
+
+    source = Path(importlib.util.find_spec("openenv.harbor.rollout").origin).read_text()
+    assert seam_patch.calls_export_session(source)
+    moved = "from openenv.core.harness.capture import export\ndef run_rollout():\n    export.export_session(1)\n"
+    inner = "def run_rollout():\n    from x import export_session\n    export_session(1)\n"
+    unused = "from openenv.core.harness.capture.export import export_session\n"
+    assert not any(map(seam_patch.calls_export_session, (moved, inner, unused)))
 
 
 def _post(url: str, body: dict, headers: dict) -> tuple[int, dict]:

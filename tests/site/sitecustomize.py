@@ -3,8 +3,8 @@
 1. Gradio is hidden, but for the env server, so OpenEnv takes its own fallback for a missing gradio. OpenEnv 0.10.0
    imports gradio at the import of its env-server package, for an optional web interface (`openenv.core.env_server`
    wraps that import in `try: ... except ModuleNotFoundError`) that no process of the job uses but the env server.
-   Every other process that imports any of OpenEnv (the capture proxy, the trainer and TRL's rollout child, the eval,
-   `seam_patch.py check`) paid about 3 CPU-seconds for it: about a tenth of the suite's CPU on 2 cores. The env
+   Every other process that imports any of OpenEnv (the capture proxy, the trainer and TRL's rollout child, the eval)
+   paid about 3 CPU-seconds for it: about a tenth of the suite's CPU on 2 cores. The env
    server (`harbor serve`) serves OpenEnv's gradio UI at /web (openenv.harbor.ui) and keeps gradio.
 2. `importlib.metadata.packages_distributions()` is read from a file made by its first call for the same path
    folders that hold distributions (a `*.dist-info` or `*.egg-info`, or a zip on the path) and their mtimes: an
