@@ -47,8 +47,8 @@ T0 = datetime(2026, 12, 1, 12, 0, 0, tzinfo=UTC)
 
 @pytest.fixture
 def env_server_process(monkeypatch):
-    """This process patched as the env server's is (`seam_patch.py serve` runs `check`'s steps, then OpenEnv),
-    with OpenEnv's pristine tables put back afterwards."""
+    """This process patched as the env server's is (`seam_patch.py serve` runs `check`'s steps, then wraps the rollout
+    export these tests do not reach, then OpenEnv), with OpenEnv's pristine tables put back afterwards."""
     monkeypatch.setitem(seams.SEAMS, "opencode", seams.SEAMS["opencode"])
     keep_factory(monkeypatch)
     seam_patch.main(["check"])
