@@ -73,7 +73,7 @@ def wrap_export(action: str) -> None:
     and gradio (4 of 5 CPU-s), in run_job.sh's step before vLLM starts, for a process that then exits."""
     if action == "check":
         spec = importlib.util.find_spec("openenv.harbor.rollout")
-        if spec is None or not calls_export_session(Path(str(spec.origin)).read_text(encoding="utf-8")):
+        if spec is None or not spec.origin or not calls_export_session(Path(spec.origin).read_text(encoding="utf-8")):
             raise ShapeError("openenv.harbor.rollout does not call a module-level export_session: the upstream-error "
                              "count has nothing to wrap")
         return
