@@ -130,8 +130,8 @@ def leftovers(token: str, command: str = "") -> list[int]:
     return found
 
 
-def assert_no_leftovers(token: str) -> None:
-    deadline = time.monotonic() + 5
+def assert_no_leftovers(token: str, wait_s: float = 5) -> None:
+    deadline = time.monotonic() + wait_s
     while leftovers(token) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert leftovers(token) == []

@@ -16,7 +16,7 @@ from pathlib import Path
 import httpx
 import pytest
 from hub_double import LocalHub
-from run_job_harness import leftovers
+from run_job_harness import assert_no_leftovers
 from stubs.procs import free_port_knobs, free_ports, wait_http
 from vllm_lora_double import EvalFactoryDouble, Killed, VllmLoraDouble, save_tiny_adapter
 
@@ -739,7 +739,7 @@ def make_eval_job(tmp_path):
     env.update(PATH=f"{stubs / 'bin'}:{env['PATH']}", PYTHON=str(stubs / "bin" / "python3"),
                REAL_PYTHON=sys.executable, STUB_LOG=str(tmp_path / "stub.log"), LOG_DIR=str(tmp_path / "logs"),
                WORK_DIR=str(tmp_path / "work"), ADAPTER_REPO=REPO, HF_TOKEN="hf_SECRETSECRET", JOB_ID="job9",
-               PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", RUN_JOB_TEST_TOKEN=token,  # leftovers() finds them by it
+               PUBLIC_HOST="127.0.0.1", READY_TIMEOUT="60", RUN_JOB_TEST_TOKEN=token,  # how its processes are found
                **{name: str(port) for name, port in free_port_knobs().items()})
     return {"app": app, "env": env, "log": tmp_path / "stub.log", "token": token}
 
@@ -748,10 +748,7 @@ def _run_eval_job(job, script="run_eval.sh", **extra):
     result = subprocess.run(["bash", str(job["app"] / script)], env={**job["env"], **extra}, capture_output=True,
                             text=True, timeout=120)
     assert "hf_SECRETSECRET" not in result.stdout + result.stderr
-    deadline = time.monotonic() + 10
-    while leftovers(job["token"]) and time.monotonic() < deadline:
-        time.sleep(0.2)
-    assert leftovers(job["token"]) == []  # vLLM, env server and gateway are all stopped
+    assert_no_leftovers(job["token"], wait_s=10)  # vLLM, env server and gateway are all stopped
     return result, job["log"].read_text().splitlines() if job["log"].exists() else []
 
 
